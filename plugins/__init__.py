@@ -1,0 +1,7 @@
+"""specplug.plugins — hookspecs, the plugin manager, entry-point loading and the proposer registry."""
+from .hookspecs import hookimpl, hookspec
+from .registry import (ENTRY_POINT_GROUP, PluginFailure, ProposerInfo, UnknownProposerError, failures,
+                       get_proposer, list_proposers, load_plugins, pm)
+
+__all__ = ["hookimpl", "hookspec", "ENTRY_POINT_GROUP", "PluginFailure", "ProposerInfo", "UnknownProposerError",
+           "failures", "get_proposer", "list_proposers", "load_plugins", "pm"]

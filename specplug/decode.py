@@ -1,0 +1,241 @@
+"""The decode loop: prefill, then { propose -> score -> verify -> observe -> rollback } until done.
+
+It knows the verifier, the Target and the proposer *interface*, never a concrete proposer.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+from specplug.verifier import Proposal, ProposalError, Verdict, verify
+
+from .metrics import GenerationStats
+from .sampling import SamplingParams
+from .target import KVState, Target
+from .types import Proposer, SequenceState
+
+_request_ids = itertools.count()
+
+
+class SpeculationError(RuntimeError):
+    """A proposer misbehaved. Names the proposer; ``partial`` holds what was generated before it."""
+
+    def __init__(self, message: str, proposer: str, partial: "GenerationResult | None" = None):
+        super().__init__(message)
+        self.proposer = proposer
+        self.partial = partial
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    stats: GenerationStats
+    prompt_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+
+@dataclass
+class StreamChunk:
+    """The tokens one step emitted and the text they completed (may lag a partial UTF-8 character)."""
+
+    tokens: list[int]
+    text: str
+
+
+def _prompt_ids(target: Target, prompt: str | Sequence[int]) -> list[int]:
+    ids = target.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("empty prompt: give at least one token (a string that encodes to nothing is empty too)")
+    bad = [t for t in ids if not 0 <= t < target.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the target vocabulary [0, {target.vocab_size})")
+    limit = target.max_positions
+    if limit is not None and len(ids) >= limit:
+        raise ValueError(f"prompt has {len(ids)} tokens but target {target.name!r} has only {limit} positions")
+    return ids
+
+
+def _proposer_name(proposer: Proposer) -> str:
+    return getattr(proposer, "name", None) or type(proposer).__name__
+
+
+def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequence[int], *,
+                 max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+                 num_speculative_tokens: int = 4, stop: Sequence[str] = (), strict: bool = False,
+                 ) -> Iterator[list[int]]:
+    """Yield the tokens emitted by each step; the generator's return value is the GenerationResult."""
+    sampling = sampling or SamplingParams()
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if num_speculative_tokens < 0:
+        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+    ids = _prompt_ids(target, prompt)
+    stats = GenerationStats(prompt_tokens=len(ids))
+    seq = SequenceState(ids=list(ids), num_prompt=len(ids), sampling=sampling,
+                        rng=sampling.generator(target.device), target=target, request_id=next(_request_ids))
+    name = _proposer_name(proposer) if proposer is not None else "target-only"
+    features = tuple(getattr(proposer, "needs_features", ())) if proposer is not None else ()
+    eos = target.eos_token_ids
+    limit = target.max_positions or 1 << 62
+    max_stop = max((len(s) for s in stop), default=0)
+    warned = False
+
+    def result() -> GenerationResult:
+        out = seq.output_ids
+        return GenerationResult(tokens=out, text=target.decode(out), stats=stats, prompt_ids=list(ids))
+
+    def fail(message: str, exc: BaseException) -> SpeculationError:
+        stats.wall_time = time.perf_counter() - t_start
+        stats.finish_reason = "error"
+        return SpeculationError(f"proposer {name!r}: {message}", name, result())
+
+    t_start = time.perf_counter()
+    state = KVState()
+    target.prefill(ids, state)
+    stats.prefill_time = time.perf_counter() - t_start
+    active = proposer
+    if active is not None:
+        try:
+            active.begin(seq)
+        except Exception as exc:
+            if strict:
+                raise fail(f"begin() raised {exc!r}", exc) from exc
+            warnings.warn(f"proposer {name!r} failed in begin() ({exc!r}); decoding target-only", stacklevel=2)
+            active, warned = None, True
+
+    while True:
+        remaining = max_new_tokens - len(seq.output_ids)
+        # never draft past the token budget or the model's positions: k + 1 tokens may be emitted
+        k = max(0, min(num_speculative_tokens if active else 0, remaining - 1, limit - len(seq.ids) - 1))
+        t0 = time.perf_counter()
+        proposal, fell_back = None, False
+        if active is not None and k > 0:
+            try:
+                proposal = active.propose(seq, k)
+            except Exception as exc:
+                if strict:
+                    raise fail(f"propose() raised {exc!r}", exc) from exc
+                fell_back = True
+                if not warned:
+                    warnings.warn(f"proposer {name!r} raised {exc!r}; falling back to target-only steps "
+                                  "(counted in stats.fallback_steps; strict=True makes this an error)", stacklevel=2)
+                    warned = True
+            if proposal is not None and proposal.k > k:
+                raise fail(f"proposed {proposal.k} tokens when asked for at most {k}", ValueError())
+        if proposal is None:
+            proposal = Proposal.empty(target.device)
+        t1 = time.perf_counter()
+        last = seq.ids[-1]
+        p_target, scores = target.score(state, [last, *proposal.tokens.tolist()], sampling, features)
+        t2 = time.perf_counter()
+        try:
+            verdict: Verdict = verify(p_target, proposal, seq.rng)
+        except ProposalError as exc:
+            target.rollback(state, len(seq.ids) - 1)
+            raise fail(str(exc), exc) from exc
+        t3 = time.perf_counter()
+        # keep [last, accepted drafts] in the cache; the emitted token is fed by the next step
+        target.rollback(state, len(seq.ids) + verdict.accepted)
+        if features:
+            verdict.features = {n: f[: verdict.accepted + 1] for n, f in scores.features.items()}
+
+        emitted, reason = _cut(verdict.tokens, remaining, eos)
+        seq.ids.extend(emitted)
+        if stop and not reason:
+            reason, cut = _stop_hit(target, seq, len(emitted), stop, max_stop)
+            if cut:
+                del seq.ids[len(seq.ids) - cut:]
+                emitted = emitted[: len(emitted) - cut]
+        if active is not None and not fell_back:
+            try:
+                active.observe(seq, verdict)
+            except Exception as exc:
+                if strict:
+                    raise fail(f"observe() raised {exc!r}", exc) from exc
+                warnings.warn(f"proposer {name!r} failed in observe() ({exc!r}); decoding target-only", stacklevel=2)
+                active, warned = None, True
+        stats.fallback_steps += fell_back
+        stats.draft_time += t1 - t0
+        stats.target_time += t2 - t1
+        stats.verify_time += t3 - t2
+        stats.record_step(k, proposal.k, verdict.accepted, len(emitted), time.perf_counter() - t0)
+        if emitted:
+            yield emitted
+        if not reason and len(seq.ids) >= limit:
+            reason = "max_positions"
+        if reason:
+            stats.finish_reason = reason
+            break
+
+    if active is not None:
+        active.end(seq)
+    stats.wall_time = time.perf_counter() - t_start
+    return result()
+
+
+def _cut(tokens: list[int], remaining: int, eos: set[int]) -> tuple[list[int], str]:
+    """Truncate a step's tokens at the first EOS (kept) or at the token budget."""
+    for i, t in enumerate(tokens[:remaining]):
+        if t in eos:
+            return tokens[: i + 1], "eos"
+    if len(tokens) >= remaining:
+        return tokens[:remaining], "length"
+    return tokens, ""
+
+
+def _stop_hit(target: Target, seq: SequenceState, n_new: int, stop: Sequence[str], max_stop: int) -> tuple[str, int]:
+    """Look for a stop string in the text ending with this step's tokens; return how many tokens to drop
+    after it. Only a short tail is decoded (each token decodes to at least one character)."""
+    out = seq.output_ids
+    window = out[max(0, len(out) - n_new - max_stop):]
+    text = target.decode(window)
+    hits = [text.find(s) for s in stop if s in text]
+    if not hits:
+        return "", 0
+    at = min(hits) + next(len(s) for s in stop if text.find(s) == min(hits))
+    # keep the fewest tokens whose text still contains the stop string
+    for keep in range(1, len(window) + 1):
+        if len(target.decode(window[:keep])) >= at:
+            return "stop", len(window) - keep
+    return "stop", 0
+
+
+def generate(target: Target, proposer: Proposer | None, prompt: str | Sequence[int], *,
+             max_new_tokens: int = 64, sampling: SamplingParams | None = None, num_speculative_tokens: int = 4,
+             stop: Sequence[str] = (), strict: bool = False,
+             callback: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """Decode ``prompt`` with ``target``, drafting with ``proposer`` (None: target-only, same loop).
+
+    The output is distributed exactly as sampling from the target with ``sampling``; greedy output equals
+    target-only greedy output. ``callback`` receives each step's emitted tokens as they come.
+    """
+    steps = decode_steps(target, proposer, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
+                         num_speculative_tokens=num_speculative_tokens, stop=stop, strict=strict)
+    while True:
+        try:
+            tokens = next(steps)
+        except StopIteration as done:
+            return done.value
+        if callback is not None:
+            callback(tokens)
+
+
+def stream(target: Target, proposer: Proposer | None, prompt: str | Sequence[int], **options) -> Iterator[StreamChunk]:
+    """Like :func:`generate`, but yields each step's tokens and the text they complete."""
+    steps = decode_steps(target, proposer, prompt, **options)
+    out: list[int] = []
+    shown = ""
+    for tokens in steps:
+        out.extend(tokens)
+        text = target.decode(out)
+        # hold back a trailing partial UTF-8 character until its last byte arrives
+        ready = text[:-1] if text.endswith("\ufffd") else text
+        yield StreamChunk(tokens=tokens, text=ready[len(shown):])
+        shown = ready
