@@ -57,13 +57,17 @@ class DraftModelProposer(Proposer):
         tokens, q_rows = [], []
         for i in range(k):
             q = processed_probs(logits, seq.sampling)
-            token = int(torch.multinomial(q, 1, generator=seq.rng))
+            token = self._sample(q, seq.rng)
             tokens.append(token)
             q_rows.append(q)
             if i + 1 < k:
                 logits = self.draft.forward(state, [token], logits_to_keep=1).logits[-1]
         device = seq.target.device
         return Proposal(torch.tensor(tokens, device=device), torch.stack(q_rows).to(device))
+
+    @staticmethod
+    def _sample(q: torch.Tensor, rng: torch.Generator) -> int:
+        return int(torch.multinomial(q, 1, generator=rng))
 
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:
         # keep only what matches the accepted sequence: everything but its newest token at most

@@ -99,6 +99,7 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
     t_start = time.perf_counter()
     state = KVState()
     target.prefill(ids, state)
+    seq.target_cache = state
     stats.prefill_time = time.perf_counter() - t_start
     active = proposer
     if active is not None:

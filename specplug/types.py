@@ -26,6 +26,8 @@ class SequenceState:
     rng: torch.Generator
     target: "Target"
     request_id: int = 0
+    # The target's cache, for diagnostics only: proposers must not modify it.
+    target_cache: object | None = None
     # A proposer's private per-sequence state (its draft cache, its index), keyed by whatever it likes.
     scratch: dict = field(default_factory=dict)
 

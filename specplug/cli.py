@@ -1,0 +1,135 @@
+"""The ``specplug`` command line: generate, list proposers (and, from plugins of the project, more)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from specplug.plugins import UnknownProposerError, failures, get_proposer, list_proposers
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _parse_options(pairs: tuple[str, ...]) -> dict:
+    """``-o key=value`` pairs; values are read as JSON when they parse (numbers, true/false), else strings."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--option")
+        try:
+            options[key.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.replace("-", "_")] = value
+    return options
+
+
+@click.group()
+@click.version_option(package_name="specplug")
+def main() -> None:
+    """Exact speculative decoding with pluggable draft proposers."""
+
+
+@main.command()
+@click.argument("prompt", required=False)
+@click.option("--target", "-t", default="zoo:pycode", show_default=True,
+              help="Target model: a directory, a hub id, or a bundled zoo: name.")
+@click.option("--proposer", "-p", default="draft-model", show_default=True,
+              help="Registered proposer name, or 'none' for target-only decoding.")
+@click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE",
+              help="Proposer option, e.g. -o model=path/to/draft or -o prompt_lookup_max=4.")
+@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--gamma", "-k", "num_speculative_tokens", default=4, show_default=True, type=click.IntRange(min=0),
+              help="Draft tokens per step (num_speculative_tokens).")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+@click.option("--strict", is_flag=True, help="A failing proposer is an error instead of a counted fallback.")
+@click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as JSON.")
+def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_tokens, temperature, top_k, top_p,
+             seed, stop, device, dtype, strict, as_json) -> None:
+    """Generate a continuation of PROMPT (read from stdin when omitted or '-')."""
+    import specplug
+
+    _quiet_transformers()
+    if prompt in (None, "-"):
+        prompt = sys.stdin.read()
+    try:
+        tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"--target {target}: {exc}") from exc
+    prop = None
+    if proposer != "none":
+        try:
+            prop = get_proposer(proposer, target=tgt, **_parse_options(options))
+        except (UnknownProposerError, TypeError, ValueError, OSError) as exc:
+            raise click.ClickException(f"--proposer {proposer}: {exc}") from exc
+    sampling = specplug.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    kwargs = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_speculative_tokens=num_speculative_tokens,
+                  stop=stop, strict=strict)
+    try:
+        if as_json:
+            result = specplug.generate(tgt, prop, prompt, **kwargs)
+            click.echo(json.dumps({"target": target, "proposer": proposer, "prompt": prompt,
+                                   "tokens": result.tokens, "text": result.text,
+                                   "sampling": sampling.to_dict(), "stats": result.stats.to_dict()}, indent=2))
+            return
+        steps = specplug.decode_steps(tgt, prop, prompt, **kwargs)
+        click.echo(prompt, nl=False)
+        shown = ""
+        out: list[int] = []
+        while True:
+            try:
+                out.extend(next(steps))
+            except StopIteration as done:
+                result = done.value
+                break
+            text = tgt.decode(out)
+            text = text[:-1] if text.endswith("\ufffd") else text
+            click.echo(text[len(shown):], nl=False)
+            shown = text
+        click.echo(result.text[len(shown):])
+    except (ValueError, specplug.SpeculationError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    s = result.stats
+    alpha = f"{s.acceptance_rate:.2f}" if s.acceptance_rate is not None else "-"
+    click.echo(f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.target_calls} target calls, "
+               f"acceptance {alpha}, {s.mean_acceptance_length:.2f} tokens/call, finish: {s.finish_reason}]",
+               err=True)
+
+
+@main.command("proposers")
+@click.option("--json", "as_json", is_flag=True, help="Print name, source distribution and description as JSON.")
+def proposers_cmd(as_json: bool) -> None:
+    """List the registered proposers (built-in and from installed plugins)."""
+    found = list_proposers()
+    if as_json:
+        click.echo(json.dumps({
+            "proposers": [{"name": i.name, "source": i.source, "description": i.description} for i in found.values()],
+            "failed_plugins": [{"plugin": f.plugin, "source": f.source, "error": f.error} for f in failures],
+        }, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("name", "source", "description")
+    for info in found.values():
+        table.add_row(info.name, info.source, info.description)
+    console = Console()
+    console.print(table)
+    for f in failures:
+        console.print(f"[red]plugin {f.plugin!r} from {f.source!r} failed to load:[/red] {f.error}")
+
+
+if __name__ == "__main__":
+    main()

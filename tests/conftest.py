@@ -1,0 +1,51 @@
+import os
+
+import torch
+
+torch.set_num_threads(1)  # tiny models run fastest on one thread, and CI has two cores
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+
+import pytest
+from transformers.utils import logging as hf_logging
+
+from tiny import make_llama, make_tokenizer
+
+hf_logging.disable_progress_bar()
+hf_logging.set_verbosity_error()
+
+SMALL_V = 6  # small enough to enumerate the exact distribution of 3 tokens
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """A target and a draft sharing a byte-level BPE tokenizer (text prompts, stop strings)."""
+    root = tmp_path_factory.mktemp("tiny")
+    tok = make_tokenizer(root / "tokenizer")
+    vocab = len(tok)
+    target = make_llama(root / "target", vocab, hidden=32, layers=2, seed=0, tokenizer_from=root / "tokenizer")
+    draft = make_llama(root / "draft", vocab, hidden=16, layers=1, seed=1, tokenizer_from=root / "tokenizer")
+    return {"target": target, "draft": draft, "tokenizer": root / "tokenizer", "root": root}
+
+
+@pytest.fixture(scope="session")
+def small_vocab_dirs(tmp_path_factory):
+    """Target and draft over a 6-token vocabulary, no tokenizer, no EOS: for exact enumeration."""
+    root = tmp_path_factory.mktemp("small")
+    target = make_llama(root / "target", SMALL_V, hidden=32, layers=2, seed=0, init=0.3)
+    draft = make_llama(root / "draft", SMALL_V, hidden=16, layers=1, seed=7, init=0.2)
+    return {"target": target, "draft": draft}
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_dirs):
+    import specplug
+
+    return specplug.Target.from_pretrained(tiny_dirs["target"])
+
+
+@pytest.fixture(scope="session")
+def small_target(small_vocab_dirs):
+    import specplug
+
+    return specplug.Target.from_pretrained(small_vocab_dirs["target"])

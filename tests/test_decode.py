@@ -1,0 +1,213 @@
+"""The decode loop: greedy equality, cache hygiene, stopping, streaming and clear errors."""
+import warnings
+
+import pytest
+import torch
+
+import specplug
+from specplug.proposers.draft_model import DraftModelProposer
+from specplug.types import Proposal, Proposer
+
+PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self", "for i in range(10):\n", "import os\n"]
+
+
+def proposer(name, tiny_dirs, target):
+    options = {"model": tiny_dirs["draft"]} if name == "draft-model" else {}
+    return specplug.get_proposer(name, target=target, **options)
+
+
+@pytest.mark.parametrize("name", ["draft-model", "ngram"])
+def test_greedy_speculative_output_equals_target_only_token_for_token(name, tiny_dirs, tiny_target):
+    prop = proposer(name, tiny_dirs, tiny_target)
+    for prompt in PROMPTS:
+        base = specplug.generate(tiny_target, None, prompt, max_new_tokens=200, sampling=specplug.GREEDY)
+        spec = specplug.generate(tiny_target, prop, prompt, max_new_tokens=200, sampling=specplug.GREEDY,
+                                 num_speculative_tokens=4, strict=True)
+        assert len(base.tokens) == 200
+        assert spec.tokens == base.tokens
+        assert spec.stats.target_calls <= base.stats.target_calls
+
+
+class CacheChecker(DraftModelProposer):
+    """After every step: the real HF cache lengths match the bookkeeping and the accepted sequence."""
+
+    def observe(self, seq, verdict):
+        super().observe(seq, verdict)
+        target_state, draft_state = seq.target_cache, seq.scratch[self.name]
+        assert target_state.cache.get_seq_length() == target_state.length == len(seq.ids) - 1
+        assert draft_state.cache.get_seq_length() == draft_state.length
+        if verdict.accepted < verdict.proposed:  # after a rejection the draft is exactly in step
+            assert draft_state.length == len(seq.ids) - 1
+        else:  # all accepted: its last draft was never fed, it catches up next step
+            assert draft_state.length == len(seq.ids) - 2
+        self.steps = getattr(self, "steps", 0) + 1
+        self.rejections = getattr(self, "rejections", 0) + (verdict.accepted < verdict.proposed)
+
+
+def test_caches_track_the_accepted_sequence_through_rejections(tiny_dirs, tiny_target):
+    checker = CacheChecker(target=tiny_target, model=tiny_dirs["draft"])
+    result = specplug.generate(tiny_target, checker, "def add(a, b):", max_new_tokens=60, strict=True,
+                               sampling=specplug.SamplingParams(temperature=1.0, seed=3), num_speculative_tokens=4)
+    assert len(result.tokens) == 60
+    assert checker.rejections >= checker.steps // 2  # the random pair rejects a lot: a real test of rollback
+
+
+def test_same_seed_gives_same_output(tiny_dirs, tiny_target):
+    prop = proposer("draft-model", tiny_dirs, tiny_target)
+    params = specplug.SamplingParams(temperature=1.0, seed=11)
+    a = specplug.generate(tiny_target, prop, "import os\n", max_new_tokens=40, sampling=params)
+    b = specplug.generate(tiny_target, prop, "import os\n", max_new_tokens=40, sampling=params)
+    assert a.tokens == b.tokens
+
+
+def test_prompt_may_be_token_ids(tiny_target):
+    ids = tiny_target.encode("def add(a, b):")
+    a = specplug.generate(tiny_target, None, ids, max_new_tokens=10, sampling=specplug.GREEDY)
+    b = specplug.generate(tiny_target, None, "def add(a, b):", max_new_tokens=10, sampling=specplug.GREEDY)
+    assert a.tokens == b.tokens and a.prompt_ids == ids
+
+
+def test_generation_stops_at_eos(tiny_dirs):
+    target = specplug.Target.from_pretrained(tiny_dirs["target"])
+    free = specplug.generate(target, None, "def add(a, b):", max_new_tokens=30, sampling=specplug.GREEDY)
+    eos = free.tokens[5]
+    target.tokenizer.eos_token = None
+    target.model.generation_config.eos_token_id = eos
+    for prop in (None, specplug.get_proposer("ngram", target=target)):
+        result = specplug.generate(target, prop, "def add(a, b):", max_new_tokens=30, sampling=specplug.GREEDY)
+        first = free.tokens.index(eos)
+        assert result.tokens == free.tokens[: first + 1] and result.finish_reason == "eos"
+
+
+def test_generation_stops_after_stop_string(tiny_dirs, tiny_target):
+    free = specplug.generate(tiny_target, None, "def add(a, b):", max_new_tokens=40, sampling=specplug.GREEDY)
+    stop = free.text[10:13]
+    prop = proposer("ngram", tiny_dirs, tiny_target)
+    result = specplug.generate(tiny_target, prop, "def add(a, b):", max_new_tokens=40, sampling=specplug.GREEDY,
+                               stop=[stop])
+    assert result.finish_reason == "stop"
+    assert stop in result.text and free.text.startswith(result.text)
+    assert stop not in tiny_target.decode(result.tokens[:-1])  # no token more than needed
+
+
+def test_max_new_tokens_is_exact_even_when_a_step_emits_several(tiny_dirs, tiny_target):
+    prop = proposer("ngram", tiny_dirs, tiny_target)
+    for n in (1, 2, 7):
+        result = specplug.generate(tiny_target, prop, "def add(a, b):", max_new_tokens=n, sampling=specplug.GREEDY)
+        assert len(result.tokens) == n and result.finish_reason == "length"
+
+
+def test_stream_yields_each_steps_tokens_and_text(tiny_dirs, tiny_target):
+    prop = proposer("ngram", tiny_dirs, tiny_target)
+    chunks = list(specplug.stream(tiny_target, prop, "def add(a, b):", max_new_tokens=50, sampling=specplug.GREEDY))
+    whole = specplug.generate(tiny_target, prop, "def add(a, b):", max_new_tokens=50, sampling=specplug.GREEDY)
+    assert [t for c in chunks for t in c.tokens] == whole.tokens
+    assert whole.text.startswith("".join(c.text for c in chunks))
+    seen = []
+    specplug.generate(tiny_target, prop, "def add(a, b):", max_new_tokens=50, sampling=specplug.GREEDY,
+                      callback=seen.append)
+    assert [c.tokens for c in chunks] == seen
+
+
+def test_stats_report_the_speculation_metrics(tiny_dirs, tiny_target):
+    result = specplug.generate(tiny_target, proposer("ngram", tiny_dirs, tiny_target), "def add(a, b):",
+                               max_new_tokens=100, sampling=specplug.GREEDY, num_speculative_tokens=3)
+    s = result.stats
+    d = s.to_dict()
+    assert s.new_tokens == 100 == sum(s.step_emitted)
+    assert s.accepted_tokens + s.target_calls == s.new_tokens  # every step: accepted + 1
+    assert d["mean_acceptance_length"] == pytest.approx(100 / s.target_calls)
+    assert len(d["per_position_acceptance"]) <= 3
+    for key in ("acceptance_rate", "draft_cost_ratio", "predicted_speedup", "token_latency_p50_s",
+                "token_latency_p99_s", "tokens_per_second"):
+        assert key in d
+    agg = specplug.aggregate([s, s])
+    assert agg["new_tokens"] == 200 and agg["requests"] == 2
+
+
+# --- bad input: a clear error naming the culprit, nothing generated lost -----------------------------------
+
+class Raising(Proposer):
+    name = "raiser"
+
+    def propose(self, seq, k):
+        if len(seq.output_ids) >= 5:
+            raise RuntimeError("boom")
+        return Proposal.empty()
+
+
+class TooMany(Proposer):
+    name = "too-many"
+
+    def propose(self, seq, k):
+        return Proposal.point_mass([1] * (k + 1))
+
+
+class ZeroQ(Proposer):
+    name = "zero-q"
+
+    def propose(self, seq, k):
+        q = torch.zeros(1, seq.target.vocab_size)
+        q[0, 2] = 1.0
+        return Proposal(torch.tensor([1]), q)
+
+
+def test_raising_proposer_falls_back_to_target_steps_counted_and_warned_once(tiny_target):
+    with pytest.warns(UserWarning, match="raiser") as caught:
+        result = specplug.generate(tiny_target, Raising(), "def add(a, b):", max_new_tokens=20,
+                                   sampling=specplug.GREEDY)
+    base = specplug.generate(tiny_target, None, "def add(a, b):", max_new_tokens=20, sampling=specplug.GREEDY)
+    assert result.tokens == base.tokens
+    # steps 6..19 raise (the 20th asks for no draft: one token left)
+    assert result.stats.fallback_steps == 14 and len([w for w in caught if "raiser" in str(w.message)]) == 1
+
+
+def test_raising_proposer_in_strict_mode_is_an_error_naming_it_with_partial_output(tiny_target):
+    with pytest.raises(specplug.SpeculationError, match="proposer 'raiser'.*boom") as info:
+        specplug.generate(tiny_target, Raising(), "def add(a, b):", max_new_tokens=20, strict=True)
+    assert info.value.proposer == "raiser" and len(info.value.partial.tokens) == 5
+
+
+@pytest.mark.parametrize("bad, message", [(TooMany(), "proposed .* tokens when asked for at most"),
+                                          (ZeroQ(), "q = 0")])
+def test_bad_proposals_name_the_proposer(bad, message, tiny_target):
+    with pytest.raises(specplug.SpeculationError, match=f"proposer '{bad.name}'.*{message}"):
+        specplug.generate(tiny_target, bad, "def add(a, b):", max_new_tokens=20)
+
+
+def test_empty_prompt_is_an_error(tiny_target):
+    for empty in ("", []):
+        with pytest.raises(ValueError, match="empty prompt"):
+            specplug.generate(tiny_target, None, empty)
+
+
+def test_prompt_longer_than_positions_is_an_error(tiny_target):
+    with pytest.raises(ValueError, match="positions"):
+        specplug.generate(tiny_target, None, [1] * 600)
+
+
+def test_prompt_token_out_of_range_is_an_error(tiny_target):
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        specplug.generate(tiny_target, None, [1, 10_000])
+
+
+def test_draft_with_another_vocabulary_is_refused_when_composed(tiny_target, small_vocab_dirs):
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        specplug.get_proposer("draft-model", target=tiny_target, model=small_vocab_dirs["draft"])
+
+
+def test_pickled_weights_are_refused(tmp_path, tiny_dirs):
+    (tmp_path / "config.json").write_text((tiny_dirs["target"] / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    with pytest.raises(ValueError, match="safetensors only"):
+        specplug.Target.from_pretrained(tmp_path)
+
+
+def test_unknown_proposer_lists_the_available_ones(tiny_target):
+    with pytest.raises(specplug.UnknownProposerError, match="available: .*draft-model.*ngram"):
+        specplug.get_proposer("nope", target=tiny_target)
+
+
+def test_unknown_option_names_the_proposer(tiny_target):
+    with pytest.raises(TypeError, match="proposer 'ngram'"):
+        specplug.get_proposer("ngram", target=tiny_target, colour="blue")
