@@ -1,0 +1,43 @@
+"""Real CLI runs through click's runner."""
+import json
+
+from click.testing import CliRunner
+
+from specplug.cli import main
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_generate_json_prints_tokens_text_and_stats(tiny_dirs):
+    result = invoke("generate", "--target", tiny_dirs["target"], "--proposer", "draft-model",
+                    "-o", f"model={tiny_dirs['draft']}", "-n", 24, "-k", 3, "--json", "def add(a, b):")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert len(data["tokens"]) == 24 and isinstance(data["text"], str)
+    assert data["stats"]["new_tokens"] == 24 and data["stats"]["finish_reason"] == "length"
+    assert data["sampling"]["temperature"] == 0.0
+
+
+def test_generate_target_only_streams_text(tiny_dirs):
+    result = invoke("generate", "--target", tiny_dirs["target"], "--proposer", "none", "-n", 10, "import os")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("import os") and "10 tokens" in result.stderr
+
+
+def test_generate_options_reach_the_proposer(tiny_dirs):
+    result = invoke("generate", "--target", tiny_dirs["target"], "-p", "ngram", "-o", "prompt_lookup_max=5",
+                    "-n", 8, "--json", "for i in range(10):")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["stats"]["new_tokens"] == 8
+
+
+def test_unknown_proposer_is_a_clear_cli_error(tiny_dirs):
+    result = invoke("generate", "--target", tiny_dirs["target"], "-p", "nope", "x")
+    assert result.exit_code != 0 and "--proposer nope: unknown proposer 'nope'; available:" in result.output
+
+
+def test_missing_target_is_a_clear_cli_error(tmp_path):
+    result = invoke("generate", "--target", tmp_path / "nowhere", "x")
+    assert result.exit_code != 0 and "--target" in result.output
