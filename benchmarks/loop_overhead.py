@@ -1,0 +1,87 @@
+"""How much of a decode is the loop's own work, and how fast is the batched verifier?
+
+    python benchmarks/loop_overhead.py [--target zoo:pycode] [--draft zoo:pycode-draft] [--tokens 256]
+
+Loop overhead = wall time outside the model forwards (target and draft) as a share of wall time, for a
+greedy run, target-only and with draft-model; median of --repeats runs. Verifier: median time of
+verify_batch for B=64, K=8, V=32,000 (random p and q).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import specplug
+
+
+class ForwardTimer:
+    """Accumulates time spent inside a module's forward (hooks, so nothing in the loop changes)."""
+
+    def __init__(self, *modules):
+        self.total, self._start = 0.0, 0.0
+        for m in modules:
+            m.register_forward_pre_hook(self._pre)
+            m.register_forward_hook(self._post)
+
+    def _pre(self, *_):
+        self._start = time.perf_counter()
+
+    def _post(self, *_):
+        self.total += time.perf_counter() - self._start
+
+
+def loop_overhead(target, proposer, tokens, repeats, timer):
+    shares, walls = [], []
+    prompt = "def parse_args(argv):\n    "
+    for _ in range(repeats):
+        timer.total = 0.0
+        t0 = time.perf_counter()
+        specplug.generate(target, proposer, prompt, max_new_tokens=tokens, sampling=specplug.GREEDY,
+                          num_speculative_tokens=4)
+        wall = time.perf_counter() - t0
+        shares.append(1 - timer.total / wall)
+        walls.append(wall)
+    return statistics.median(shares), statistics.median(walls)
+
+
+def verifier_time(B=64, K=8, V=32_000, repeats=20):
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g), -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, K)
+    times = []
+    for validate in (True, False):
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            specplug.verify_batch(p, drafts, q, generator=g, validate=validate)
+            runs.append(time.perf_counter() - t0)
+        times.append(statistics.median(runs))
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="zoo:pycode")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    target = specplug.Target.from_pretrained(args.target)
+    draft = specplug.get_proposer("draft-model", target=target, **({"model": args.draft} if args.draft else {}))
+    timer = ForwardTimer(target.model, draft.draft.model)
+    for name, proposer in (("target-only", None), ("draft-model", draft)):
+        loop_overhead(target, proposer, 16, 1, timer)  # warm-up
+        share, wall = loop_overhead(target, proposer, args.tokens, args.repeats, timer)
+        print(f"{name:12s} {args.tokens} greedy tokens: wall {wall:.3f} s (median of {args.repeats}), "
+              f"outside model forwards {100 * share:.1f}%")
+    checked, unchecked = verifier_time()
+    print(f"verify_batch B=64 K=8 V=32000: {1000 * checked:.1f} ms with input validation, "
+          f"{1000 * unchecked:.1f} ms without (median of 20)")
+
+
+if __name__ == "__main__":
+    main()
