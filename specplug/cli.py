@@ -108,6 +108,76 @@ def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_
                err=True)
 
 
+def _numbers(text: str, kind=float) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers") from exc
+
+
+@main.command()
+@click.option("--target", "-t", default="zoo:pycode", show_default=True)
+@click.option("--proposer", "-p", "proposer_specs", multiple=True, metavar="NAME[:KEY=VALUE,...]",
+              help="Proposer to compare (repeatable). Default: every registered proposer that attaches.")
+@click.option("--workload", "-w", "workload_specs", multiple=True, default=("humaneval",), show_default=True,
+              help="humaneval, stdlib, repeated, or a JSONL file of {\"prompt\": ...} lines (repeatable).")
+@click.option("--prompts", "-n", "n_prompts", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Prompts taken from each workload.")
+@click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Samples per prompt (repeated sampling; 'repeated' uses at least 5).")
+@click.option("--gammas", default="2,4,6", show_default=True, help="Comma-separated γ values.")
+@click.option("--temperatures", default="0,1", show_default=True, help="Comma-separated temperatures.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
+@click.option("--peer", type=click.Choice(["hf"]), help="Also run Hugging Face's own assisted generation.")
+@click.option("--html", "html_path", default="report.html", show_default=True, help="HTML report ('' for none).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema specplug.compare/1).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, temperatures, max_new_tokens,
+            repeats, peer, html_path, as_json, device, dtype) -> None:
+    """Compare proposers side by side against target-only decoding on real workloads."""
+    import specplug
+    from specplug.bench import compare as bench
+    from specplug.bench import report as rep
+    from specplug.bench.workloads import load
+
+    _quiet_transformers()
+    try:
+        tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"--target {target}: {exc}") from exc
+    try:
+        specs = [bench.ProposerSpec.parse(s) for s in proposer_specs] or bench.all_proposer_specs()
+        workloads = [load(w, n_prompts, samples) for w in workload_specs]
+    except (ValueError, ImportError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    gamma_list, temp_list = _numbers(gammas, int), _numbers(temperatures, float)
+    from rich.console import Console
+    from rich.progress import Progress
+
+    err = Console(stderr=True)
+    attached, _ = bench.attachable(tgt, specs)
+    peer_runs = (2 if any(s.name == "draft-model" for s in attached) else 1) * len(gamma_list) if peer else 0
+    total = bench.count_runs(attached, workloads, gamma_list, temp_list, repeats, peer_runs)
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("comparing", total=total)
+        result = bench.run_compare(tgt, specs, workloads, gammas=gamma_list, temperatures=temp_list,
+                                   max_new_tokens=max_new_tokens, repeats=repeats, peer=peer,
+                                   progress=lambda n, note: bar.update(task, advance=n, description=note))
+    for s in result["skipped"]:
+        err.print(f"[yellow]skipped {s['proposer']}:[/yellow] {s['reason']}")
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        out = Console() if sys.stdout.isatty() else Console(width=200)
+        for t in rep.tables(result):
+            out.print(t)
+    if html_path:
+        rep.write_html(result, html_path)
+        err.print(f"report written to {html_path}")
+
+
 @main.command("proposers")
 @click.option("--json", "as_json", is_flag=True, help="Print name, source distribution and description as JSON.")
 def proposers_cmd(as_json: bool) -> None:

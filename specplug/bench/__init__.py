@@ -1,0 +1,1 @@
+"""specplug.bench — side-by-side comparison of proposers against target-only decoding."""

@@ -1,0 +1,40 @@
+"""specplug compare on tiny models: JSON that matches the documented schema, an HTML page with every plot,
+and proposers that cannot attach are skipped, not fatal."""
+import json
+from importlib import resources
+
+import jsonschema
+from click.testing import CliRunner
+
+from specplug.bench.report import PLOTS
+from specplug.cli import main
+
+
+def test_tiny_compare_run_yields_schema_json_and_html_with_every_plot(tiny_dirs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os\\n"}\n')
+    html = tmp_path / "report.html"
+    result = CliRunner().invoke(main, [
+        "compare", "--target", str(tiny_dirs["target"]), "-p", f"draft-model:model={tiny_dirs['draft']}",
+        "-p", "ngram", "-p", "no-such-proposer", "-p", "draft-model:model=/nowhere",
+        "-w", str(prompts), "--gammas", "1,3", "--temperatures", "0,1", "--max-new-tokens", "12",
+        "--json", "--html", str(html)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    schema = json.loads((resources.files("specplug") / "bench" / "compare.schema.json").read_text())
+    jsonschema.validate(report, schema)
+    assert {s["proposer"] for s in report["skipped"]} == {"no-such-proposer", "draft-model:model=/nowhere"}
+    cells = {(c["proposer"].split(":")[0], c["temperature"], c["gamma"]) for c in report["cells"]}
+    assert cells == {(p, t, g) for p in ("draft-model", "ngram") for t in (0.0, 1.0) for g in (1, 3)}
+    assert all(c["runs"] == 2 for c in report["cells"])
+    greedy = [c for c in report["cells"] if c["temperature"] == 0]
+    assert all(c["greedy_equal_to_target_only"] is True for c in greedy)
+    page = html.read_text()
+    for plot in PLOTS:
+        assert f'id="{plot}"' in page
+    assert page.count("data:image/png;base64,") == len(PLOTS)
+
+
+def test_compare_rejects_an_unknown_workload(tiny_dirs):
+    result = CliRunner().invoke(main, ["compare", "--target", str(tiny_dirs["target"]), "-w", "nonsense"])
+    assert result.exit_code != 0 and "unknown workload 'nonsense'" in result.output
