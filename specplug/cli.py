@@ -178,6 +178,36 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
         err.print(f"report written to {html_path}")
 
 
+@main.command()
+@click.argument("name")
+@click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE", help="Proposer option.")
+@click.option("--samples", default=2000, show_default=True, type=click.IntRange(min=100),
+              help="Samples per statistical check.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def check(name, options, samples, as_json) -> None:
+    """Check that proposer NAME is honest and exact (the conformance kit); exit 1 on any failure."""
+    from specplug.conformance import ConformanceKit, registry_factory
+
+    _quiet_transformers()
+    kit = ConformanceKit(samples=samples)
+    try:
+        results = kit.run(registry_factory(name, _parse_options(options)))
+    except (UnknownProposerError, TypeError, ValueError) as exc:
+        raise click.ClickException(f"{name}: {exc}") from exc
+    if as_json:
+        click.echo(json.dumps([{"check": r.name, "status": r.status, "evidence": r.evidence} for r in results],
+                              indent=2))
+    else:
+        for r in results:
+            colour = {"pass": "green", "fail": "red", "skip": "yellow"}[r.status]
+            click.echo(f"{click.style(r.status.upper(), fg=colour):>6}  {r.name:26s} {r.evidence}")
+    failed = [r.name for r in results if not r.passed]
+    if failed:
+        click.echo(f"proposer {name!r} FAILED: {', '.join(failed)}", err=True)
+        sys.exit(1)
+    click.echo(f"proposer {name!r} conforms", err=True)
+
+
 @main.command("proposers")
 @click.option("--json", "as_json", is_flag=True, help="Print name, source distribution and description as JSON.")
 def proposers_cmd(as_json: bool) -> None:

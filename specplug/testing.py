@@ -8,6 +8,7 @@ vocabularies only); ``sampled_distribution`` draws n-token continuations through
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -77,3 +78,31 @@ def chi_square_pvalue(counts: Counter, expected: dict[tuple[int, ...], float], m
     if dof < 1:
         return 1.0
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def tiny_llama(out: str | Path, vocab_size: int, *, hidden: int = 32, layers: int = 2, seed: int = 0,
+               init: float = 0.3, eos_token_id: int | None = None, max_positions: int = 512) -> Path:
+    """Save a random Llama (safetensors + config) for tests; ``init`` sets how peaked its distributions are."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_positions, initializer_range=init,
+                         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = eos_token_id
+    model.save_pretrained(out)
+    return Path(out)
+
+
+def assert_proposer_conforms(factory, *, samples: int = 1000, workdir=None) -> None:
+    """For a plugin's own test suite: run the conformance kit and fail with every failed property's evidence.
+
+    ``factory(target, draft_dir)`` builds the proposer for the kit's tiny 6-token target (``draft_dir`` holds a
+    tiny draft model for that target, for proposers that need one).
+    """
+    from .conformance import ConformanceKit
+
+    failed = [r for r in ConformanceKit(workdir, samples).run(factory) if not r.passed]
+    assert not failed, "proposer failed conformance:\n" + "\n".join(f"  {r.name}: {r.evidence}" for r in failed)

@@ -1,4 +1,7 @@
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -49,3 +52,25 @@ def small_target(small_vocab_dirs):
     import specplug
 
     return specplug.Target.from_pretrained(small_vocab_dirs["target"])
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "specplug-bigram"
+
+
+@pytest.fixture(scope="session")
+def example_site(tmp_path_factory):
+    """The example plugin pip-installed into its own directory (no network: no deps, no build isolation)."""
+    site = tmp_path_factory.mktemp("site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(EXAMPLE)], check=True, timeout=300)
+    return site
+
+
+@pytest.fixture(scope="session")
+def example_module():
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import specplug_bigram
+    finally:
+        sys.path.remove(str(EXAMPLE))
+    return specplug_bigram

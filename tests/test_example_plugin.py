@@ -4,27 +4,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import specplug
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "specplug-bigram"
 
-
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """pip-install the example into its own directory (no network: no deps, no build isolation)."""
-    site = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(EXAMPLE)], check=True, timeout=300)
-    return site
-
-
-def test_pip_installed_example_plugin_is_listed_with_its_distribution(installed):
-    env = dict(os.environ, PYTHONPATH=str(installed))
+def test_pip_installed_example_plugin_is_listed_with_its_distribution(example_site):
+    env = dict(os.environ, PYTHONPATH=str(example_site))
     out = subprocess.run([sys.executable, "-m", "specplug.cli", "proposers", "--json"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -33,13 +21,8 @@ def test_pip_installed_example_plugin_is_listed_with_its_distribution(installed)
 
 
 @pytest.fixture(scope="module")
-def bigram_cls():
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        import specplug_bigram
-    finally:
-        sys.path.remove(str(EXAMPLE))
-    return specplug_bigram.BigramProposer
+def bigram_cls(example_module):
+    return example_module.BigramProposer
 
 
 def test_example_plugin_keeps_greedy_output(bigram_cls, tiny_target):

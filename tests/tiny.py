@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "for i in range(10):\n    print(i * i)\n",
@@ -29,22 +27,13 @@ def make_tokenizer(out: Path, vocab_size: int = 300):
     return fast
 
 
-def make_llama(out: Path, vocab_size: int, *, hidden: int = 32, layers: int = 2, seed: int = 0,
-               init: float = 0.3, eos_token_id: int | None = None, max_positions: int = 512,
-               tokenizer_from: Path | None = None) -> Path:
-    """A random Llama saved as safetensors. ``init`` sets how peaked its distributions are."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_llama(out: Path, vocab_size: int, *, tokenizer_from: Path | None = None, **options) -> Path:
+    """A random Llama saved as safetensors (see specplug.testing.tiny_llama), with a tokenizer if given."""
+    from transformers import AutoTokenizer
 
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=max_positions, initializer_range=init,
-                         eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = eos_token_id
-    model.save_pretrained(out)
+    from specplug.testing import tiny_llama
+
+    tiny_llama(out, vocab_size, **options)
     if tokenizer_from is not None:
-        from transformers import AutoTokenizer
-
         AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
     return out

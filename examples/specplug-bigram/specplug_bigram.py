@@ -54,3 +54,26 @@ class BigramProposer(Proposer):
 @specplug.hookimpl
 def register_proposers(register):
     register("bigram", BigramProposer, "Bigram statistics of the context; dense smoothed q (example plugin).")
+    register("bigram-dishonest", DishonestBigram,
+             "DELIBERATELY BROKEN example: argmax drafts with a soft q; `specplug check` rejects it.")
+
+
+class DishonestBigram(BigramProposer):
+    """DELIBERATELY BROKEN, for `specplug check` to catch: drafts the argmax but reports the soft q.
+
+    This is the bug class HF transformers and vLLM both shipped once; the verifier cannot see it, so the
+    output is no longer distributed as the target's. Never use it for decoding.
+    """
+
+    name = "bigram-dishonest"
+
+    def propose(self, seq, k):
+        counts = self._counts(seq)
+        previous, tokens, rows = seq.ids[-1], [], []
+        for _ in range(k):
+            q = counts[previous] + self.smoothing
+            q = q / q.sum()
+            tokens.append(int(q.argmax()))  # the bug: not a sample from q
+            rows.append(q)
+            previous = tokens[-1]
+        return Proposal(torch.tensor(tokens), torch.stack(rows)) if tokens else Proposal.empty()
