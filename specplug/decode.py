@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from specplug.verifier import Proposal, ProposalError, Verdict, verify
+from specplug.verifier import Proposal, ProposalError, Verdict, validate_proposal, verify
 
 from .metrics import GenerationStats
 from .sampling import SamplingParams
@@ -91,7 +91,7 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
         out = seq.output_ids
         return GenerationResult(tokens=out, text=target.decode(out), stats=stats, prompt_ids=list(ids))
 
-    def fail(message: str, exc: BaseException) -> SpeculationError:
+    def fail(message: str) -> SpeculationError:
         stats.wall_time = time.perf_counter() - t_start
         stats.finish_reason = "error"
         return SpeculationError(f"proposer {name!r}: {message}", name, result())
@@ -107,7 +107,7 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
             active.begin(seq)
         except Exception as exc:
             if strict:
-                raise fail(f"begin() raised {exc!r}", exc) from exc
+                raise fail(f"begin() raised {exc!r}") from exc
             warnings.warn(f"proposer {name!r} failed in begin() ({exc!r}); decoding target-only", stacklevel=2)
             active, warned = None, True
 
@@ -122,25 +122,26 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
                 proposal = active.propose(seq, k)
             except Exception as exc:
                 if strict:
-                    raise fail(f"propose() raised {exc!r}", exc) from exc
+                    raise fail(f"propose() raised {exc!r}") from exc
                 fell_back = True
                 if not warned:
                     warnings.warn(f"proposer {name!r} raised {exc!r}; falling back to target-only steps "
                                   "(counted in stats.fallback_steps; strict=True makes this an error)", stacklevel=2)
                     warned = True
             if proposal is not None and proposal.k > k:
-                raise fail(f"proposed {proposal.k} tokens when asked for at most {k}", ValueError())
+                raise fail(f"proposed {proposal.k} tokens when asked for at most {k}")
         if proposal is None:
             proposal = Proposal.empty(target.device)
+        else:
+            try:  # before scoring: a bad id must never reach the model
+                validate_proposal(proposal, target.vocab_size)
+            except ProposalError as exc:
+                raise fail(str(exc)) from exc
         t1 = time.perf_counter()
         last = seq.ids[-1]
         p_target, scores = target.score(state, [last, *proposal.tokens.tolist()], sampling, features)
         t2 = time.perf_counter()
-        try:
-            verdict: Verdict = verify(p_target, proposal, seq.rng)
-        except ProposalError as exc:
-            target.rollback(state, len(seq.ids) - 1)
-            raise fail(str(exc), exc) from exc
+        verdict: Verdict = verify(p_target, proposal, seq.rng, validate=False)
         t3 = time.perf_counter()
         # keep [last, accepted drafts] in the cache; the emitted token is fed by the next step
         target.rollback(state, len(seq.ids) + verdict.accepted)
@@ -159,7 +160,7 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
                 active.observe(seq, verdict)
             except Exception as exc:
                 if strict:
-                    raise fail(f"observe() raised {exc!r}", exc) from exc
+                    raise fail(f"observe() raised {exc!r}") from exc
                 warnings.warn(f"proposer {name!r} failed in observe() ({exc!r}); decoding target-only", stacklevel=2)
                 active, warned = None, True
         stats.fallback_steps += fell_back

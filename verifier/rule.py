@@ -83,7 +83,7 @@ def verify_batch(
     valid = torch.arange(K, device=device).unsqueeze(0) < lengths.unsqueeze(1)  # [B, K]
     safe_tokens = torch.where(valid, draft_tokens, 0)
     if validate:
-        _validate(p_target, draft_tokens, q_draft, lengths, valid, V)
+        _validate(draft_tokens, q_draft, lengths, valid, V)
 
     # 2. accept while u < min(1, p(x)/q(x)); a point-mass q has q(x) = 1.
     p_x = p_target[:, :K].gather(-1, safe_tokens.unsqueeze(-1)).squeeze(-1)
@@ -113,22 +113,37 @@ def verify_batch(
     return BatchVerdict(accepted=accepted, tokens=tokens, num_emitted=accepted + 1)
 
 
+def validate_proposal(proposal: Proposal, vocab_size: int) -> None:
+    """Raise ProposalError unless ``proposal`` can be scored and verified over ``vocab_size`` tokens.
+
+    The decode loop calls this *before* the target scores the drafts, so a bad id never reaches the model.
+    """
+    k = proposal.k
+    q = proposal.q
+    if q is not None and (q.dim() != 2 or q.shape[0] != k):
+        raise ProposalError(f"q has shape {tuple(q.shape)} for {k} draft tokens; it must be [k, V] = [{k}, {vocab_size}] "
+                            "(q rows must match the drafted tokens one to one)")
+    tokens = proposal.tokens.unsqueeze(0)
+    _validate(tokens, None if q is None else q.unsqueeze(0), torch.full((1,), k, device=tokens.device),
+              torch.ones_like(tokens, dtype=torch.bool), vocab_size)
+
+
 def verify(p_target: torch.Tensor, proposal: Proposal, generator: torch.Generator | None = None, *,
-           uniforms: torch.Tensor | None = None) -> Verdict:
+           uniforms: torch.Tensor | None = None, validate: bool = True) -> Verdict:
     """Verify one sequence's proposal against ``p_target`` [k+1, V]; k = 0 is a plain target step."""
     k = proposal.k
     if p_target.dim() != 2 or p_target.shape[0] != k + 1:
         raise ProposalError(f"p_target must have shape [k+1, V] = [{k + 1}, V] for {k} draft tokens, "
                             f"got {tuple(p_target.shape)}")
+    if validate:
+        validate_proposal(proposal, p_target.shape[-1])
     q = None if proposal.q is None else proposal.q.unsqueeze(0)
-    if q is not None and q.shape[1] != k:
-        raise ProposalError(f"q has {q.shape[1]} rows for {k} draft tokens; it must be [k, V]")
     out = verify_batch(p_target.unsqueeze(0), proposal.tokens.unsqueeze(0), q, None, generator,
-                       uniforms=None if uniforms is None else uniforms.unsqueeze(0))
+                       uniforms=None if uniforms is None else uniforms.unsqueeze(0), validate=False)
     return Verdict(accepted=int(out.accepted[0]), proposed=k, tokens=out.row(0))
 
 
-def _validate(p_target, draft_tokens, q_draft, lengths, valid, V) -> None:
+def _validate(draft_tokens, q_draft, lengths, valid, V) -> None:
     """Proposer bugs become ProposalErrors here rather than silently wrong samples."""
     B, K = draft_tokens.shape
     if bool((lengths < 0).any()) or bool((lengths > K).any()):

@@ -1,0 +1,133 @@
+"""The bad-input table of the README, row by row: each is a clear error naming the culprit (or a documented,
+counted fallback), and nothing already generated is lost."""
+import json
+
+import pytest
+import torch
+
+import specplug
+from specplug.types import Proposal, Proposer
+
+
+class Raising(Proposer):
+    name = "raiser"
+
+    def propose(self, seq, k):
+        if len(seq.output_ids) >= 5:
+            raise RuntimeError("boom")
+        return Proposal.empty()
+
+
+class TooMany(Proposer):
+    name = "too-many"
+
+    def propose(self, seq, k):
+        return Proposal.point_mass([1] * (k + 1))
+
+
+class BadAfterFive(Proposer):
+    """Honest (empty proposals) for five tokens, then returns ``make(vocab_size)`` as its proposal."""
+
+    def __init__(self, name, make):
+        self.name, self.make = name, make
+
+    def propose(self, seq, k):
+        return self.make(seq.target.vocab_size) if len(seq.output_ids) >= 5 else Proposal.empty()
+
+
+def _q_zero(V):
+    q = torch.zeros(1, V)
+    q[0, 2] = 1.0
+    return Proposal(torch.tensor([1]), q)
+
+
+BAD_PROPOSALS = [
+    ("zero-q", _q_zero, "q = 0"),
+    ("not-a-distribution", lambda V: Proposal(torch.tensor([1]), torch.full((1, V), 0.5)), "not a distribution"),
+    ("out-of-range", lambda V: Proposal.point_mass([V + 3]), "outside the target vocabulary"),
+    ("wrong-shape", lambda V: Proposal(torch.tensor([1]), torch.full((1, V - 1), 1 / (V - 1))), "shape"),
+    ("extra-q-rows", lambda V: Proposal(torch.tensor([1]), torch.full((2, V), 1 / V)), "rows"),
+]
+
+
+def test_raising_proposer_falls_back_to_target_steps_counted_and_warned_once(tiny_target):
+    with pytest.warns(UserWarning, match="raiser") as caught:
+        result = specplug.generate(tiny_target, Raising(), "def add(a, b):", max_new_tokens=20,
+                                   sampling=specplug.GREEDY)
+    base = specplug.generate(tiny_target, None, "def add(a, b):", max_new_tokens=20, sampling=specplug.GREEDY)
+    assert result.tokens == base.tokens
+    # steps 6..19 raise (the 20th asks for no draft: one token left)
+    assert result.stats.fallback_steps == 14 and len([w for w in caught if "raiser" in str(w.message)]) == 1
+
+
+def test_raising_proposer_in_strict_mode_is_an_error_naming_it_with_partial_output(tiny_target):
+    with pytest.raises(specplug.SpeculationError, match="proposer 'raiser'.*boom") as info:
+        specplug.generate(tiny_target, Raising(), "def add(a, b):", max_new_tokens=20, strict=True)
+    assert info.value.proposer == "raiser" and len(info.value.partial.tokens) == 5
+
+
+def test_more_tokens_than_asked_is_an_error_naming_the_proposer(tiny_target):
+    with pytest.raises(specplug.SpeculationError, match="proposer 'too-many'.*proposed .* when asked for at most"):
+        specplug.generate(tiny_target, TooMany(), "def add(a, b):", max_new_tokens=20)
+
+
+@pytest.mark.parametrize("name, make, message", BAD_PROPOSALS, ids=[b[0] for b in BAD_PROPOSALS])
+def test_invalid_proposal_is_an_error_naming_the_proposer_and_keeping_the_output(name, make, message, tiny_target):
+    with pytest.raises(specplug.SpeculationError, match=f"proposer '{name}'.*{message}") as info:
+        specplug.generate(tiny_target, BadAfterFive(name, make), "def add(a, b):", max_new_tokens=20,
+                          sampling=specplug.GREEDY)
+    base = specplug.generate(tiny_target, None, "def add(a, b):", max_new_tokens=5, sampling=specplug.GREEDY)
+    assert info.value.partial.tokens == base.tokens  # the five tokens before the bad proposal survive
+
+
+def test_empty_prompt_is_an_error(tiny_target):
+    for empty in ("", []):
+        with pytest.raises(ValueError, match="empty prompt"):
+            specplug.generate(tiny_target, None, empty)
+
+
+def test_prompt_longer_than_positions_is_an_error(tiny_target):
+    with pytest.raises(ValueError, match="positions"):
+        specplug.generate(tiny_target, None, [1] * 600)
+
+
+def test_prompt_token_out_of_range_is_an_error(tiny_target):
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        specplug.generate(tiny_target, None, [1, 10_000])
+
+
+def test_draft_with_another_vocabulary_is_refused_when_composed(tiny_target, small_vocab_dirs):
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        specplug.get_proposer("draft-model", target=tiny_target, model=small_vocab_dirs["draft"])
+
+
+def test_pickled_weights_are_refused(tmp_path, tiny_dirs):
+    (tmp_path / "config.json").write_text((tiny_dirs["target"] / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not even a pickle")
+    with pytest.raises(ValueError, match="safetensors only"):
+        specplug.Target.from_pretrained(tmp_path)
+
+
+def test_unknown_proposer_lists_the_available_ones(tiny_target):
+    with pytest.raises(specplug.UnknownProposerError, match="available: .*draft-model.*ngram"):
+        specplug.get_proposer("nope", target=tiny_target)
+
+
+def test_unknown_option_names_the_proposer(tiny_target):
+    with pytest.raises(TypeError, match="proposer 'ngram'"):
+        specplug.get_proposer("ngram", target=tiny_target, colour="blue")
+
+
+def test_tokenizers_of_equal_size_but_different_ids_are_refused(tiny_dirs, tmp_path):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    for f in tiny_dirs["draft"].iterdir():
+        (draft / f.name).write_bytes(f.read_bytes())
+    spec = json.loads((draft / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    (draft / "tokenizer.json").write_text(json.dumps(spec))
+    target = specplug.Target.from_pretrained(tiny_dirs["target"])
+    with pytest.raises(ValueError, match="different ids"):
+        specplug.get_proposer("draft-model", target=target, model=draft)
