@@ -9,3 +9,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 @hookspec
 def register_proposers(register):
     """Register draft proposers: ``register(name, factory, description)``; ``factory(**options)`` builds one."""
+
+
+@hookspec
+def register_policies(register):
+    """Register γ policies: ``register(name, factory, description)``; ``factory(**options)`` builds one."""

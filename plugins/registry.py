@@ -13,11 +13,13 @@ from . import hookspecs
 
 ENTRY_POINT_GROUP = "specplug"
 # Built-ins are plugins too: modules with a @hookimpl, loaded exactly like third-party ones.
-BUILTIN_PLUGINS = ("specplug.proposers.draft_model", "specplug.proposers.ngram")
+BUILTIN_PLUGINS = ("specplug.policies", "specplug.proposers.draft_model", "specplug.proposers.ngram")
 
 
 @dataclass(frozen=True)
-class ProposerInfo:
+class PluginInfo:
+    """A registered proposer or policy."""
+
     name: str
     factory: Callable
     description: str
@@ -29,6 +31,9 @@ class PluginFailure:
     plugin: str
     source: str
     error: str
+
+
+ProposerInfo = PluginInfo
 
 
 class UnknownProposerError(KeyError):
@@ -75,17 +80,17 @@ def _fail(plugin: str, source: str, exc: BaseException) -> None:
                   stacklevel=3)
 
 
-def list_proposers() -> dict[str, ProposerInfo]:
-    """Every registered proposer by name, each plugin's hook called with its own ``register``."""
+def _collect(hook_name: str) -> dict[str, PluginInfo]:
+    """Call each plugin's ``hook_name`` with its own ``register``, so every entry knows its distribution."""
     load_plugins()
-    found: dict[str, ProposerInfo] = {}
-    for impl in pm.hook.register_proposers.get_hookimpls():
+    found: dict[str, PluginInfo] = {}
+    for impl in getattr(pm.hook, hook_name).get_hookimpls():
         source = _sources.get(impl.plugin_name, impl.plugin_name)
 
         def register(name: str, factory: Callable, description: str = "", _source: str = source) -> None:
             if name in found:
-                warnings.warn(f"proposer {name!r} from {_source!r} shadows the one from {found[name].source!r}")
-            found[name] = ProposerInfo(name, factory, description, _source)
+                warnings.warn(f"{name!r} from {_source!r} shadows the one from {found[name].source!r}")
+            found[name] = PluginInfo(name, factory, description, _source)
 
         try:
             impl.function(register=register)
@@ -95,15 +100,33 @@ def list_proposers() -> dict[str, ProposerInfo]:
     return dict(sorted(found.items()))
 
 
+def list_proposers() -> dict[str, PluginInfo]:
+    """Every registered proposer by name."""
+    return _collect("register_proposers")
+
+
+def list_policies() -> dict[str, PluginInfo]:
+    """Every registered γ policy by name."""
+    return _collect("register_policies")
+
+
 def get_proposer(name: str, **options):
     """Build the proposer registered as ``name`` with ``options`` (e.g. ``target=``, ``model=``)."""
-    available = list_proposers()
-    if name not in available:
-        raise UnknownProposerError(f"unknown proposer {name!r}; available: {', '.join(available) or 'none'}")
-    try:
-        proposer = available[name].factory(**options)
-    except TypeError as exc:
-        raise TypeError(f"proposer {name!r}: bad options {sorted(options)}: {exc}") from exc
+    proposer = _build("proposer", list_proposers(), name, options)
     if not getattr(proposer, "name", None) or proposer.name == "proposer":
         proposer.name = name
     return proposer
+
+
+def get_policy(name: str, **options):
+    """Build the γ policy registered as ``name`` (``fixed``, ``heuristic``, ``cost-model``, plugins)."""
+    return _build("policy", list_policies(), name, options)
+
+
+def _build(kind: str, available: dict[str, PluginInfo], name: str, options: dict):
+    if name not in available:
+        raise UnknownProposerError(f"unknown {kind} {name!r}; available: {', '.join(available) or 'none'}")
+    try:
+        return available[name].factory(**options)
+    except TypeError as exc:
+        raise TypeError(f"{kind} {name!r}: bad options {sorted(options)}: {exc}") from exc

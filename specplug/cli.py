@@ -47,6 +47,8 @@ def main() -> None:
 @click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--gamma", "-k", "num_speculative_tokens", default=4, show_default=True, type=click.IntRange(min=0),
               help="Draft tokens per step (num_speculative_tokens).")
+@click.option("--policy", default="fixed", show_default=True,
+              help="γ policy: fixed, heuristic (γ is the start), cost-model (γ is the cap), or a plugin's.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), help="0 = greedy.")
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
@@ -56,8 +58,8 @@ def main() -> None:
 @click.option("--dtype", default="float32", show_default=True)
 @click.option("--strict", is_flag=True, help="A failing proposer is an error instead of a counted fallback.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as JSON.")
-def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_tokens, temperature, top_k, top_p,
-             seed, stop, device, dtype, strict, as_json) -> None:
+def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_tokens, policy, temperature, top_k,
+             top_p, seed, stop, device, dtype, strict, as_json) -> None:
     """Generate a continuation of PROMPT (read from stdin when omitted or '-')."""
     import specplug
 
@@ -75,7 +77,11 @@ def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_
         except (UnknownProposerError, TypeError, ValueError, OSError) as exc:
             raise click.ClickException(f"--proposer {proposer}: {exc}") from exc
     sampling = specplug.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    kwargs = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_speculative_tokens=num_speculative_tokens,
+    try:
+        gamma_policy = _policy(policy, num_speculative_tokens)
+    except (UnknownProposerError, TypeError, ValueError) as exc:
+        raise click.ClickException(f"--policy {policy}: {exc}") from exc
+    kwargs = dict(max_new_tokens=max_new_tokens, sampling=sampling, num_speculative_tokens=gamma_policy,
                   stop=stop, strict=strict)
     try:
         if as_json:
@@ -106,6 +112,14 @@ def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_
     click.echo(f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.target_calls} target calls, "
                f"acceptance {alpha}, {s.mean_acceptance_length:.2f} tokens/call, finish: {s.finish_reason}]",
                err=True)
+
+
+def _policy(name: str, gamma: int):
+    """A γ policy from its registered name; γ is fixed's value, heuristic's start and cost-model's cap."""
+    from specplug.plugins import get_policy
+
+    options = {"fixed": {"gamma": gamma}, "heuristic": {"gamma": gamma}, "cost-model": {"max_gamma": gamma}}
+    return get_policy(name, **options.get(name, {}))
 
 
 def _numbers(text: str, kind=float) -> list:

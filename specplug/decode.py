@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Sequence
 from specplug.verifier import Proposal, ProposalError, Verdict, validate_proposal, verify
 
 from .metrics import GenerationStats
+from .policies import FixedPolicy, GammaPolicy
 from .sampling import SamplingParams
 from .target import KVState, Target
 from .types import Proposer, SequenceState
@@ -21,12 +22,16 @@ _request_ids = itertools.count()
 
 
 class SpeculationError(RuntimeError):
-    """A proposer misbehaved. Names the proposer; ``partial`` holds what was generated before it."""
+    """A proposer (or policy) misbehaved. Names it; ``partial`` holds what was generated before."""
 
-    def __init__(self, message: str, proposer: str, partial: "GenerationResult | None" = None):
+    def __init__(self, message: str, culprit: str, partial: "GenerationResult | None" = None):
         super().__init__(message)
-        self.proposer = proposer
+        self.culprit = culprit
         self.partial = partial
+
+    @property
+    def proposer(self) -> str:
+        return self.culprit
 
 
 @dataclass
@@ -68,14 +73,21 @@ def _proposer_name(proposer: Proposer) -> str:
 
 def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequence[int], *,
                  max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-                 num_speculative_tokens: int = 4, stop: Sequence[str] = (), strict: bool = False,
+                 num_speculative_tokens: int | GammaPolicy = 4, stop: Sequence[str] = (), strict: bool = False,
                  ) -> Iterator[list[int]]:
-    """Yield the tokens emitted by each step; the generator's return value is the GenerationResult."""
+    """Yield the tokens emitted by each step; the generator's return value is the GenerationResult.
+
+    ``num_speculative_tokens`` is a fixed γ or a :class:`~specplug.policies.GammaPolicy` choosing k per step.
+    """
     sampling = sampling or SamplingParams()
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if num_speculative_tokens < 0:
-        raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
+    policy = num_speculative_tokens
+    if not isinstance(policy, GammaPolicy):
+        if int(policy) < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {policy}")
+        policy = FixedPolicy(int(policy))
+    policy_name = getattr(policy, "name", None) or type(policy).__name__
     ids = _prompt_ids(target, prompt)
     stats = GenerationStats(prompt_tokens=len(ids))
     seq = SequenceState(ids=list(ids), num_prompt=len(ids), sampling=sampling,
@@ -91,16 +103,24 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
         out = seq.output_ids
         return GenerationResult(tokens=out, text=target.decode(out), stats=stats, prompt_ids=list(ids))
 
-    def fail(message: str) -> SpeculationError:
+    def fail(message: str, kind: str = "proposer", culprit: str = name) -> SpeculationError:
         stats.wall_time = time.perf_counter() - t_start
         stats.finish_reason = "error"
-        return SpeculationError(f"proposer {name!r}: {message}", name, result())
+        return SpeculationError(f"{kind} {culprit!r}: {message}", culprit, result())
+
+    def ask_policy(method: str, *args):
+        try:
+            return getattr(policy, method)(seq, *args)
+        except Exception as exc:  # a policy crash is always an error: there is no sensible fallback γ
+            raise fail(f"{method}() raised {exc!r}", "policy", policy_name) from exc
 
     t_start = time.perf_counter()
     state = KVState()
     target.prefill(ids, state)
     seq.target_cache = state
     stats.prefill_time = time.perf_counter() - t_start
+    seq.scratch["proposer"] = name
+    ask_policy("begin")
     active = proposer
     if active is not None:
         try:
@@ -114,7 +134,8 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
     while True:
         remaining = max_new_tokens - len(seq.output_ids)
         # never draft past the token budget or the model's positions: k + 1 tokens may be emitted
-        k = max(0, min(num_speculative_tokens if active else 0, remaining - 1, limit - len(seq.ids) - 1))
+        k_max = max(0, min(remaining - 1, limit - len(seq.ids) - 1)) if active else 0
+        k = k_max and max(0, min(int(ask_policy("choose", k_max)), k_max))
         t0 = time.perf_counter()
         proposal, fell_back = None, False
         if active is not None and k > 0:
@@ -145,6 +166,8 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
         t3 = time.perf_counter()
         # keep [last, accepted drafts] in the cache; the emitted token is fed by the next step
         target.rollback(state, len(seq.ids) + verdict.accepted)
+        if active is not None:
+            ask_policy("update", proposal.k, verdict.accepted, t1 - t0, t2 - t1)
         if features:
             verdict.features = {n: f[: verdict.accepted + 1] for n, f in scores.features.items()}
 
@@ -210,8 +233,8 @@ def _stop_hit(target: Target, seq: SequenceState, n_new: int, stop: Sequence[str
 
 
 def generate(target: Target, proposer: Proposer | None, prompt: str | Sequence[int], *,
-             max_new_tokens: int = 64, sampling: SamplingParams | None = None, num_speculative_tokens: int = 4,
-             stop: Sequence[str] = (), strict: bool = False,
+             max_new_tokens: int = 64, sampling: SamplingParams | None = None,
+             num_speculative_tokens: int | GammaPolicy = 4, stop: Sequence[str] = (), strict: bool = False,
              callback: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Decode ``prompt`` with ``target``, drafting with ``proposer`` (None: target-only, same loop).
 

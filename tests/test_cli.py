@@ -41,3 +41,15 @@ def test_unknown_proposer_is_a_clear_cli_error(tiny_dirs):
 def test_missing_target_is_a_clear_cli_error(tmp_path):
     result = invoke("generate", "--target", tmp_path / "nowhere", "x")
     assert result.exit_code != 0 and "--target" in result.output
+
+
+def test_generate_with_a_policy_records_its_choices(tiny_dirs):
+    result = invoke("generate", "--target", tiny_dirs["target"], "-p", "ngram", "--policy", "heuristic", "-k", 2,
+                    "-n", 30, "--json", "for i in range(10):")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["stats"]["new_tokens"] == 30
+
+
+def test_unknown_policy_is_a_clear_cli_error(tiny_dirs):
+    result = invoke("generate", "--target", tiny_dirs["target"], "-p", "ngram", "--policy", "nope", "x")
+    assert result.exit_code != 0 and "--policy nope: unknown policy 'nope'" in result.output

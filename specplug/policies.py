@@ -1,0 +1,183 @@
+"""γ policies: how many tokens to draft at each step. Plugins too (hook ``register_policies``).
+
+A policy sees one request at a time (its state lives in ``seq.scratch``), chooses k before each step and is
+told afterwards what happened. ``fixed`` always drafts γ; ``heuristic`` is HF's schedule (+2 after a fully
+accepted step, −1 otherwise); ``cost-model`` picks the k that maximises expected emitted tokens per second
+from online estimates of α and of the drafting and verification costs, and may pick 0 (no speculation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specplug.plugins.hookspecs import hookimpl
+
+from .types import SequenceState
+
+
+class GammaPolicy:
+    """Base class: ``choose`` before each step, ``update`` after it."""
+
+    name = "policy"
+
+    def begin(self, seq: SequenceState) -> None:
+        """A new request starts."""
+
+    def choose(self, seq: SequenceState, max_k: int) -> int:
+        """How many tokens to draft now (0..max_k)."""
+        raise NotImplementedError
+
+    def update(self, seq: SequenceState, proposed: int, accepted: int, draft_time: float, verify_time: float,
+               batch_size: int = 1) -> None:
+        """The step's outcome: tokens drafted and accepted, seconds spent drafting and scoring (proposed + 1 tokens)."""
+
+
+class FixedPolicy(GammaPolicy):
+    name = "fixed"
+
+    def __init__(self, gamma: int = 4):
+        if gamma < 0:
+            raise ValueError(f"fixed policy: gamma must be >= 0, got {gamma}")
+        self.gamma = gamma
+
+    def choose(self, seq, max_k):
+        return min(self.gamma, max_k)
+
+
+class HeuristicPolicy(GammaPolicy):
+    """HF transformers' schedule: +2 after a step whose drafts were all accepted, −1 (not below 1) otherwise."""
+
+    name = "heuristic"
+
+    def __init__(self, gamma: int = 4, max_gamma: int = 16):
+        self.initial, self.max_gamma = gamma, max_gamma
+
+    def begin(self, seq):
+        seq.scratch[self.name] = self.initial
+
+    def choose(self, seq, max_k):
+        return min(seq.scratch.setdefault(self.name, self.initial), max_k)
+
+    def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
+        if proposed == 0:
+            return
+        k = seq.scratch.get(self.name, self.initial)
+        seq.scratch[self.name] = min(k + 2, self.max_gamma) if accepted == proposed else max(1, k - 1)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a step emits on average when each of k drafts is accepted with probability α (bonus included)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class MeasuredCosts:
+    """Online cost estimates: drafting time per token, and scoring time as a function of tokens scored and
+    batch size (an exponentially weighted mean per (n, batch), a least-squares line in n elsewhere)."""
+
+    decay: float = 0.8
+    draft_per_token: float | None = None
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int) -> None:
+        if proposed:
+            per = draft_time / proposed
+            self.draft_per_token = per if self.draft_per_token is None else _ewma(self.draft_per_token, per, self.decay)
+        key = (proposed + 1, batch_size)
+        self.verify[key] = verify_time if key not in self.verify else _ewma(self.verify[key], verify_time, self.decay)
+
+    def draft_time(self, k: int) -> float:
+        return k * (self.draft_per_token or 0.0)
+
+    def verify_time(self, n: int, batch_size: int) -> float | None:
+        if (n, batch_size) in self.verify:
+            return self.verify[(n, batch_size)]
+        points = [(m, t) for (m, b), t in self.verify.items() if b == batch_size] or \
+                 [(m, t) for (m, b), t in self.verify.items()]
+        if not points:
+            return None
+        if len({m for m, _ in points}) < 2:
+            # one size seen: scoring more tokens costs a little more (measured ~+4% a token on CPU)
+            m, t = points[0]
+            return t * (1 + 0.04 * (n - m))
+        slope, intercept = np.polyfit([m for m, _ in points], [t for _, t in points], 1)
+        return max(float(intercept + slope * n), 1e-9)
+
+
+def _ewma(old: float, new: float, decay: float) -> float:
+    return decay * old + (1 - decay) * new
+
+
+class CostModelPolicy(GammaPolicy):
+    """Choose k in 0..max_gamma maximising expected_tokens(α, k) / (draft_time(k) + verify_time(k + 1)).
+
+    α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
+    After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
+    noticed. ``costs`` may be replaced (tests use a controlled one).
+    """
+
+    name = "cost-model"
+
+    def __init__(self, max_gamma: int = 8, decay: float = 0.8, prior_alpha: float = 0.6, probe_every: int = 16,
+                 costs: MeasuredCosts | None = None):
+        self.max_gamma, self.decay, self.prior_alpha, self.probe_every = max_gamma, decay, prior_alpha, probe_every
+        self.costs = costs or MeasuredCosts(decay)
+        self.alpha_by_proposer: dict[str, float] = {}
+
+    def _state(self, seq) -> dict:
+        key = f"policy:{self.name}"
+        if key not in seq.scratch:
+            prior = self.alpha_by_proposer.get(seq.scratch.get("proposer", ""), self.prior_alpha)
+            # α as decayed successes / trials; a step tries positions until its first rejection
+            seq.scratch[key] = {"successes": prior, "trials": 1.0, "idle": 0}
+        return seq.scratch[key]
+
+    def begin(self, seq):
+        self._state(seq)
+
+    def best_k(self, alpha: float, max_k: int, batch_size: int = 1) -> int:
+        base = self.costs.verify_time(1, batch_size)
+        if base is None:
+            return min(self.max_gamma, max_k)  # nothing measured yet: draft, and measure
+        rates = []
+        for k in range(0, min(self.max_gamma, max_k) + 1):
+            verify = self.costs.verify_time(k + 1, batch_size) or base
+            rates.append(expected_tokens(alpha, k) / (self.costs.draft_time(k) + verify))
+        # the smallest k within 1% of the best: measured costs are noisy, and drafting that buys nothing
+        # should not win a tie
+        best = max(rates)
+        return next(k for k, r in enumerate(rates) if r >= 0.99 * best)
+
+    def choose(self, seq, max_k):
+        state = self._state(seq)
+        k = self.best_k(state["successes"] / state["trials"], max_k)
+        if k == 0:
+            state["idle"] += 1
+            if state["idle"] >= self.probe_every and max_k > 0:
+                state["idle"] = 0
+                return 1
+        return k
+
+    def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
+        self.costs.observe(proposed, draft_time, verify_time, batch_size)
+        if proposed == 0:
+            return
+        state = self._state(seq)
+        trials = accepted + (accepted < proposed)
+        state["successes"] = self.decay * state["successes"] + accepted
+        state["trials"] = self.decay * state["trials"] + trials
+        observed = accepted / trials
+        proposer = seq.scratch.get("proposer", "")
+        self.alpha_by_proposer[proposer] = _ewma(self.alpha_by_proposer.get(proposer, self.prior_alpha),
+                                                 observed, 0.95)
+
+
+@hookimpl
+def register_policies(register):
+    register("fixed", FixedPolicy, "Always draft γ tokens (num_speculative_tokens).")
+    register("heuristic", HeuristicPolicy, "HF's schedule: +2 after a fully accepted step, −1 otherwise.")
+    register("cost-model", CostModelPolicy,
+             "Maximise expected tokens/s from online α and measured draft/verify costs; may choose 0.")

@@ -1,0 +1,117 @@
+"""γ policies: registered through the hook, observable in stats, exact, and the cost model's choices."""
+import pytest
+import torch
+
+import specplug
+from specplug.plugins import UnknownProposerError, get_policy, list_policies
+from specplug.policies import CostModelPolicy, GammaPolicy, HeuristicPolicy, MeasuredCosts
+from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
+from specplug.types import Proposal, Proposer
+
+
+class ControlledCosts(MeasuredCosts):
+    """Drafting 1 ms a token; scoring n tokens 10 ms + 0.5 ms·n, whatever is observed."""
+
+    def observe(self, *args):
+        pass
+
+    def draft_time(self, k):
+        return 0.001 * k
+
+    def verify_time(self, n, batch_size):
+        return 0.010 + 0.0005 * n
+
+
+def seq_state(target):
+    return specplug.SequenceState(ids=[1, 2, 3], num_prompt=3, sampling=specplug.GREEDY,
+                                  rng=torch.Generator(), target=target)
+
+
+def test_builtin_policies_are_registered_through_the_hook():
+    found = list_policies()
+    assert {"fixed", "heuristic", "cost-model"} <= set(found)
+    assert all(found[n].source == "specplug" for n in ("fixed", "heuristic", "cost-model"))
+    with pytest.raises(UnknownProposerError, match="unknown policy 'nope'; available: cost-model"):
+        get_policy("nope")
+
+
+def test_cost_model_chooses_no_speculation_when_drafts_are_never_accepted(tiny_target):
+    policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts(), probe_every=1000)
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    for _ in range(20):
+        policy.update(seq, 4, 0, 0.004, 0.013)
+    assert policy.choose(seq, 8) == 0
+
+
+def test_cost_model_chooses_a_large_k_when_drafts_are_always_accepted(tiny_target):
+    policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts())
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    for _ in range(20):
+        policy.update(seq, 4, 4, 0.004, 0.013)
+    assert policy.choose(seq, 8) == 8
+    assert policy.choose(seq, 3) == 3  # never beyond what the loop allows
+
+
+def test_cost_model_probes_again_after_a_run_of_zeros(tiny_target):
+    policy = CostModelPolicy(costs=ControlledCosts(), probe_every=5)
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    for _ in range(20):
+        policy.update(seq, 4, 0, 0.004, 0.013)
+    assert [policy.choose(seq, 8) for _ in range(5)] == [0, 0, 0, 0, 1]
+
+
+class WrongGuess(Proposer):
+    """Greedy drafts that are never right: the token the target ranks last."""
+
+    def propose(self, seq, k):
+        return Proposal.point_mass([0] * k)
+
+
+def test_cost_model_switches_speculation_off_in_a_real_run_and_stays_exact(tiny_target):
+    base = specplug.generate(tiny_target, None, "def add(a, b):", max_new_tokens=80, sampling=specplug.GREEDY)
+    assert 0 not in base.tokens  # so WrongGuess is always rejected
+    policy = CostModelPolicy(costs=ControlledCosts())  # a tiny model's costs are flat noise; control them
+    result = specplug.generate(tiny_target, WrongGuess(), "def add(a, b):", max_new_tokens=80,
+                               sampling=specplug.GREEDY, num_speculative_tokens=policy)
+    assert result.tokens == base.tokens
+    gammas = result.stats.step_gammas
+    assert gammas[0] > 0 and gammas[-20:].count(0) >= 15
+
+
+def test_heuristic_policy_grows_by_two_on_full_acceptance_and_shrinks_by_one_otherwise(tiny_target):
+    policy = HeuristicPolicy(gamma=4)
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    seen = []
+    for accepted_all in (True, True, False, False, False, False, False):
+        k = policy.choose(seq, 100)
+        seen.append(k)
+        policy.update(seq, k, k if accepted_all else 0, 0.0, 0.0)
+    assert seen == [4, 6, 8, 7, 6, 5, 4]
+
+
+def test_sampling_with_an_adaptive_policy_stays_exact(small_vocab_dirs, small_target):
+    proposer = specplug.get_proposer("draft-model", target=small_target, model=small_vocab_dirs["draft"])
+    prompt, sampling = [1, 2, 3, 4, 5, 0, 1, 2], specplug.SamplingParams(temperature=1.0)
+    counts = sampled_distribution(small_target, proposer, prompt, 3, sampling, 2000,
+                                  num_speculative_tokens=HeuristicPolicy(gamma=1))
+    assert chi_square_pvalue(counts, exact_distribution(small_target, prompt, 3, sampling)) > EXACTNESS_ALPHA
+
+
+class Crashing(GammaPolicy):
+    name = "crashy"
+
+    def choose(self, seq, max_k):
+        if len(seq.output_ids) >= 3:
+            raise RuntimeError("no idea")
+        return 2
+
+
+def test_a_policy_crash_is_a_clear_error_naming_it(tiny_dirs, tiny_target):
+    proposer = specplug.get_proposer("ngram", target=tiny_target)
+    with pytest.raises(specplug.SpeculationError, match="policy 'crashy': choose\\(\\) raised") as info:
+        specplug.generate(tiny_target, proposer, "def add(a, b):", max_new_tokens=20, num_speculative_tokens=Crashing())
+    assert info.value.culprit == "crashy" and len(info.value.partial.tokens) >= 3
