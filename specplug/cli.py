@@ -245,5 +245,16 @@ def proposers_cmd(as_json: bool) -> None:
         console.print(f"[red]plugin {f.plugin!r} from {f.source!r} failed to load:[/red] {f.error}")
 
 
+def _attach_training() -> None:
+    """``specplug train tokenizer|target|draft|export|eagle|mtp``: the commands that made the bundled zoo."""
+    from specplug.training.cli import train_group
+    from specplug.training.heads_cli import add_head_commands
+
+    add_head_commands(train_group)
+    main.add_command(train_group)
+
+
+_attach_training()
+
 if __name__ == "__main__":
     main()

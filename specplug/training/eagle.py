@@ -1,0 +1,328 @@
+"""Train an EAGLE head for a frozen target (and the machinery both head trainers share).
+
+The target is frozen, so its features are computed **once** for a fixed token budget (windows of the
+training corpus token stream, chosen by seed) and cached in the work dir's parent (``features/``, fp16);
+the MTP trainer reuses the same file. The head then trains on those features for ``steps`` steps of
+``batch_size`` windows; batches are a pure function of (seed, step), so a resumed run sees the batches an
+uninterrupted one would. bf16 autocast on CPU, AdamW, warmup + cosine, a tqdm progress bar, checkpoints
+every ``ckpt_every`` steps (and on SIGINT/SIGTERM) under ``<work>/ckpt``; rerun the same command to resume.
+
+EAGLE loss (per entry i of a window: input [embedding(x[i+1]) ; f[i] + noise], output f^[i+1]):
+    ``feature_weight * smoothL1(f^[i+1], f[i+1]) + prob_weight * CE(softmax(lm_head(f[i+1])), lm_head(f^[i+1]))``
+with EAGLE-1's weights 1.0 / 0.1 and uniform noise U(-noise, noise) on the input features (EAGLE: 0.1).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class HeadTrainArgs:
+    target: str                       # zoo: name or a local target directory (with its tokenizer)
+    work_dir: str
+    out: str | None = None            # export the head here when done
+    tokens: int = 300_000             # feature budget: windows x seq_len target positions, computed once
+    seq_len: int = 512
+    batch_size: int = 8
+    steps: int = 300
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 1234
+    ckpt_every: int = 25
+    threads: int = 2
+    cache_dir: str | None = None      # token-stream cache (default: <work>/../cache)
+    eval_windows: int = 16            # held-out windows for the final figures
+    extra: dict = field(default_factory=dict)  # head-specific settings (noise, loss weights, heads, ...)
+
+
+# --------------------------------------------------------------------------------------------------
+# shared by the head trainers: the frozen target, its cached features, batches, the resumable loop
+# --------------------------------------------------------------------------------------------------
+def load_frozen_target(name: str):
+    from specplug.target import Target
+
+    target = Target.from_pretrained(name, dtype=torch.float32)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    if target.path is None or not (target.path / "tokenizer.json").is_file():
+        raise ValueError(f"target {name!r}: need a local directory with tokenizer.json (the corpus is tokenized "
+                         "with the target's own tokenizer)")
+    return target
+
+
+def _stream(target, split: str, cache_dir: Path):
+    from .data import token_stream
+
+    return token_stream(split, target.path, cache_dir)
+
+
+def ensure_features(target, split: str, n_windows: int, seq_len: int, seed: int, cache_dir: Path,
+                    feature_dir: Path, log=print, batch: int = 4) -> dict[str, torch.Tensor]:
+    """``{"tokens": [N, seq_len+1] int32, "features": [N, seq_len, H] fp16}``: N windows of the ``split``
+    token stream and the target's final-normed last hidden state at their first seq_len positions (bf16
+    autocast). Computed once per (target fingerprint, split, N, seq_len, seed) and cached as safetensors."""
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    from specplug.heads import target_fingerprint
+
+    from .data import batch_for_step
+
+    fp = target_fingerprint(target)
+    path = feature_dir / f"features-{fp}-{split}-{n_windows}x{seq_len}-s{seed}.safetensors"
+    if path.exists():
+        log(f"features: reusing {path}")
+        return load_file(str(path))
+    stream = _stream(target, split, cache_dir)
+    if stream.numel() < seq_len + 2:
+        raise ValueError(f"the {split} stream has only {stream.numel()} tokens")
+    tokens, feats = [], []
+    t0 = time.time()
+    bar = tqdm(total=n_windows, desc=f"features ({split})", dynamic_ncols=True, mininterval=5)
+    model = target.model
+    for i in range(0, n_windows, batch):
+        b = min(batch, n_windows - i)
+        x = batch_for_step(stream, i // batch, seed + (0 if split == "train" else 7919), b, seq_len)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(input_ids=x[:, :seq_len], output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        tokens.append(x.to(torch.int32))
+        feats.append(out.hidden_states[-1].to(torch.float16))
+        bar.update(b)
+    bar.close()
+    data = {"tokens": torch.cat(tokens).contiguous(), "features": torch.cat(feats).contiguous()}
+    feature_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    save_file(data, str(tmp), metadata={"target": target.name, "fingerprint": fp})
+    os.replace(tmp, path)
+    log(f"features: {n_windows} x {seq_len} {split} positions in {time.time() - t0:.0f}s -> {path}")
+    return data
+
+
+def window_batch(n_windows: int, step: int, seed: int, batch_size: int) -> torch.Tensor:
+    """Window indices of a step: epochs of seeded permutations, a pure function of (seed, step)."""
+    per_epoch = max(1, n_windows // batch_size)
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed * 7_919 + epoch))
+    return perm[k * batch_size:(k + 1) * batch_size]
+
+
+def train_head(args: HeadTrainArgs, kind: str, module: torch.nn.Module, loss_fn: Callable, target, data,
+               log=print) -> dict:
+    """The resumable loop: ``loss_fn(module, tokens, features) -> (loss, {name: float})`` per batch."""
+    from safetensors.torch import load_model
+    from tqdm import tqdm
+
+    from .trainer import TrainArgs, _save_ckpt, _ThreadGovernor, lr_at
+
+    gov = _ThreadGovernor(args.threads)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    sched = TrainArgs(work_dir=str(work), tokenizer_dir="", steps=args.steps, lr=args.lr,
+                      min_lr_ratio=args.min_lr_ratio, warmup=args.warmup)
+    state = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
+    params = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
+    if (work / "ckpt" / "state.json").exists():
+        state = json.loads((work / "ckpt" / "state.json").read_text())
+        load_model(module, str(work / "ckpt" / "model.safetensors"))
+        opt.load_state_dict(torch.load(work / "ckpt" / "optim.pt", weights_only=True))
+        log(f"{kind}: resumed at step {state['step']}")
+    module.train()
+    stop = {"flag": False}
+
+    def _handler(signum, frame):
+        stop["flag"] = True
+
+    old = {s: signal.signal(s, _handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    logf = open(work / "log.tsv", "a")
+    if os.path.getsize(work / "log.tsv") == 0:
+        logf.write("step\tloss\tparts\tlr\ttok_per_s\telapsed_s\tthreads\n")
+    step, seen, elapsed0, t_start = state["step"], state["tokens"], state["elapsed_s"], time.time()
+    n_windows = data["tokens"].shape[0]
+
+    def snapshot():
+        return {"step": step, "tokens": seen, "elapsed_s": elapsed0 + time.time() - t_start, "args": asdict(args)}
+
+    bar = tqdm(total=args.steps, initial=step, desc=kind, dynamic_ncols=True, mininterval=5)
+    try:
+        while step < args.steps and not stop["flag"]:
+            t0 = time.time()
+            nthr = gov.update()
+            lr = lr_at(step, sched)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            idx = window_batch(n_windows, step, args.seed, args.batch_size)
+            tokens, feats = data["tokens"][idx].long(), data["features"][idx].float()
+            loss, parts = loss_fn(module, tokens, feats, step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if args.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            opt.step()
+            step += 1
+            seen += feats.shape[0] * feats.shape[1]
+            lv = loss.item()
+            if not math.isfinite(lv):
+                raise FloatingPointError(f"{kind}: non-finite loss at step {step}")
+            dt = time.time() - t0
+            tps = feats.shape[0] * feats.shape[1] / dt
+            logf.write(f"{step}\t{lv:.5f}\t{json.dumps(parts)}\t{lr:.3e}\t{tps:.0f}\t"
+                       f"{elapsed0 + time.time() - t_start:.1f}\t{nthr}\n")
+            logf.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{lv:.3f}", **{k: f"{v:.3f}" for k, v in parts.items()}, tps=f"{tps:.0f}",
+                            refresh=False)
+            if step % args.ckpt_every == 0 or step == args.steps:
+                _save_ckpt(work, module, opt, snapshot())
+    finally:
+        bar.close()
+        logf.close()
+        for s, h in old.items():
+            signal.signal(s, h)
+    if step < args.steps:
+        _save_ckpt(work, module, opt, snapshot())
+        log(f"{kind}: stopped at step {step}/{args.steps}; checkpoint saved, rerun to resume")
+        return {"finished": False, **snapshot()}
+    module.eval()
+    return {"finished": True, **snapshot()}
+
+
+def _prepare(args: HeadTrainArgs, log):
+    torch.manual_seed(args.seed)
+    target = load_frozen_target(args.target)
+    work = Path(args.work_dir)
+    cache = Path(args.cache_dir) if args.cache_dir else work.parent / "cache"
+    feature_dir = work.parent / "features"
+    n_windows = max(args.batch_size, args.tokens // args.seq_len)
+    torch.set_num_threads(args.threads)
+    data = ensure_features(target, "train", n_windows, args.seq_len, args.seed, cache, feature_dir, log)
+    return target, data, cache, feature_dir
+
+
+def _finish(args: HeadTrainArgs, kind: str, module, target, res: dict, figures: dict, log) -> dict:
+    from specplug.heads import save_head
+
+    res = {**res, **figures}
+    work = Path(args.work_dir)
+    (work / "eval.json").write_text(json.dumps(res, indent=1, default=str))
+    if args.out:
+        training = {"steps": res.get("step"), "feature_tokens": args.tokens, "tokens_seen": res.get("tokens"),
+                    "train_time_s": round(res.get("elapsed_s", 0.0), 1), "seq_len": args.seq_len,
+                    "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, **args.extra,
+                    **{k: v for k, v in figures.items() if isinstance(v, (int, float))}}
+        save_head(args.out, kind, module.state_dict(), module.config, target, training=training)
+        log(f"{kind}: exported -> {args.out}")
+    log(json.dumps(res, default=str))
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# EAGLE
+# --------------------------------------------------------------------------------------------------
+EAGLE_DEFAULTS = {"noise": 0.1, "feature_weight": 1.0, "prob_weight": 0.1}
+
+
+def eagle_loss(target, noise: float, feature_weight: float, prob_weight: float, seed: int):
+    emb, lm_head = target.embedding, target.lm_head
+
+    def loss_fn(head, tokens, feats, step):
+        b, t, _ = feats.shape
+        inp = feats[:, :-1]
+        if noise > 0:
+            g = torch.Generator().manual_seed(seed * 31 + step)
+            inp = inp + (torch.rand(inp.shape, generator=g) * 2 - 1) * noise
+        want = feats[:, 1:]
+        pos = torch.arange(t - 1)[None].expand(b, -1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                e = emb(tokens[:, 1:t])
+                p_logits = lm_head(want)
+            pred = head(inp, e, pos)
+            logits = lm_head(pred)
+        vloss = F.smooth_l1_loss(pred.float(), want)
+        p = p_logits.float().softmax(-1)
+        logq = logits.float().log_softmax(-1)
+        ploss = -(p * logq).sum(-1).mean()
+        with torch.no_grad():
+            acc = (logits.argmax(-1) == p_logits.argmax(-1)).float().mean().item()
+        return feature_weight * vloss + prob_weight * ploss, {"vloss": vloss.item(), "ploss": ploss.item(),
+                                                               "top1": acc}
+
+    return loss_fn
+
+
+@torch.no_grad()
+def eagle_figures(head, target, data, max_depth: int = 4) -> dict:
+    """Held-out figures, teacher-forced (depth 1) and autoregressive on the head's own features (depth d):
+    top-1 agreement with the target's argmax and E[sum min(p, q)] (acceptance at temperature 1)."""
+    head.eval()
+    emb, lm_head = target.embedding, target.lm_head
+    tokens, feats = data["tokens"].long(), data["features"].float()
+    n, t, _ = feats.shape
+    p_logits = lm_head(feats)  # p for the token after each position
+    top1, accept = [], []
+    # depth 1: every entry from true features
+    pos = torch.arange(t - 1)[None].expand(n, -1)
+    pred = head(feats[:, :-1], emb(tokens[:, 1:t]), pos)
+    q = lm_head(pred).softmax(-1)
+    p = p_logits[:, 1:].softmax(-1)
+    top1.append((q.argmax(-1) == p.argmax(-1)).float().mean().item())
+    accept.append(torch.minimum(p, q).sum(-1).mean().item())
+    # depths 2..: from a few start points s, the head continues on its own predicted features (with the
+    # corpus tokens, as after accepted drafts); depth d predicts the token after position s+d
+    from specplug.proposers.eagle import KVCache
+
+    hits, accs = [[] for _ in range(max_depth + 1)], [[] for _ in range(max_depth + 1)]
+    for s in range(t // 8, t - max_depth - 1, max(1, t // 8)):
+        cache = KVCache()
+        out = head(feats[:, :s + 1], emb(tokens[:, 1:s + 2]), torch.arange(s + 1)[None].expand(n, -1), cache)[:, -1]
+        for d in range(1, max_depth + 1):
+            if d > 1:
+                out = head(out[:, None], emb(tokens[:, s + d:s + d + 1]),
+                           torch.full((n, 1), s + d - 1), cache)[:, -1]
+            qd = lm_head(out).softmax(-1)
+            pd = p_logits[:, s + d].softmax(-1)
+            hits[d].append((qd.argmax(-1) == pd.argmax(-1)).float().mean().item())
+            accs[d].append(torch.minimum(pd, qd).sum(-1).mean().item())
+    for d in range(2, max_depth + 1):
+        top1.append(sum(hits[d]) / len(hits[d]))
+        accept.append(sum(accs[d]) / len(accs[d]))
+    return {"heldout_top1_by_depth": [round(x, 4) for x in top1],
+            "heldout_accept_t1_by_depth": [round(x, 4) for x in accept],
+            "heldout_top1": round(top1[0], 4)}
+
+
+def train_eagle(args: HeadTrainArgs, log=print) -> dict:
+    from specplug.proposers.eagle import KIND, EagleHead
+
+    extra = {**EAGLE_DEFAULTS, **args.extra}
+    args.extra = extra
+    target, data, cache, feature_dir = _prepare(args, log)
+    head = EagleHead.for_target(target.model.config, seed=args.seed)
+    n_params = sum(p.numel() for p in head.parameters())
+    log(f"eagle: head {n_params:,} params ({n_params * 2 / 1e6:.1f} MB fp16); "
+        f"{data['tokens'].shape[0]} x {args.seq_len} feature windows")
+    loss_fn = eagle_loss(target, extra["noise"], extra["feature_weight"], extra["prob_weight"], args.seed)
+    res = train_head(args, KIND, head, loss_fn, target, data, log)
+    if not res["finished"]:
+        return res
+    held = ensure_features(target, "heldout", args.eval_windows, args.seq_len, args.seed, cache, feature_dir, log)
+    figures = eagle_figures(head, target, held)
+    figures["params"] = n_params
+    return _finish(args, KIND, head, target, res, figures, log)

@@ -1,0 +1,52 @@
+"""The bundled zoo: loads offline, drafts exactly, and its tokenizer round-trips source text."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import specplug
+from specplug import zoo
+from specplug.bench.workloads import humaneval_prompts
+
+
+@pytest.fixture(scope="module")
+def pycode():
+    return specplug.Target.from_pretrained("zoo:pycode")
+
+
+def test_zoo_loads_with_the_hub_offline():
+    code = ("import specplug; t = specplug.Target.from_pretrained('zoo:pycode'); "
+            "p = specplug.get_proposer('draft-model', target=t); "
+            "r = specplug.generate(t, p, 'def f(x):', max_new_tokens=8); print(len(r.tokens))")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "8"
+
+
+def test_zoo_lists_the_bundled_pair():
+    assert {"pycode", "pycode-draft"} <= set(zoo.available())
+
+
+def test_draft_model_defaults_to_the_zoo_draft_for_the_zoo_target(pycode):
+    proposer = specplug.get_proposer("draft-model", target=pycode)
+    assert proposer.draft.model.config.num_hidden_layers < pycode.model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("prompt", humaneval_prompts(5), ids=[f"humaneval-{i}" for i in range(5)])
+def test_greedy_speculative_output_equals_target_only_on_humaneval(prompt, pycode):
+    proposer = specplug.get_proposer("draft-model", target=pycode)
+    base = specplug.generate(pycode, None, prompt, max_new_tokens=64, sampling=specplug.GREEDY)
+    spec = specplug.generate(pycode, proposer, prompt, max_new_tokens=64, sampling=specplug.GREEDY,
+                             num_speculative_tokens=4, strict=True)
+    assert spec.tokens == base.tokens
+    assert spec.stats.target_calls < base.stats.target_calls  # a trained pair accepts something
+
+
+def test_tokenizer_round_trips_source_text(pycode):
+    import inspect
+    import json as module
+
+    for text in (inspect.getsource(module), "def f(x):\n\tréturn x  # ünïcode ✓\n\n\n", "    \r\n  \t"):
+        assert pycode.tokenizer.decode(pycode.tokenizer.encode(text, add_special_tokens=False)) == text
