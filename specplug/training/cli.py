@@ -1,19 +1,22 @@
-"""`specplug train ...`: reproduce the bundled zoo (tokenizer, target, draft).
+r"""`specplug train ...`: reproduce the bundled zoo (tokenizer, target, draft).
 
 The bundled weights were made with (W = a work dir outside the repo):
 
     specplug train tokenizer --out W/tokenizer
-    specplug train target --work-dir W/target --tokenizer W/tokenizer --steps 1400 \
+    specplug train target --work-dir W/target --tokenizer W/tokenizer --steps 900 \
         --batch-size 8 --seq-len 512 --lr 1e-3 --warmup 60 --seed 1234 --out specplug/models/pycode
-    specplug train draft --work-dir W/draft-ce --tokenizer W/tokenizer --steps 500 \
+    specplug train draft --work-dir W/draft-ce --tokenizer W/tokenizer --steps 150 \
         --batch-size 16 --seq-len 512 --lr 2e-3 --warmup 30 --seed 1234
     specplug train draft --work-dir W/draft-kd --tokenizer W/tokenizer --teacher W/target \
-        --init-from W/draft-ce --steps 1100 --batch-size 8 --seq-len 512 --lr 1e-3 --warmup 20 \
+        --init-from W/draft-ce --steps 700 --batch-size 8 --seq-len 512 --lr 1e-3 --warmup 20 \
         --seed 4321 --out specplug/models/pycode-draft
     specplug train report --target specplug/models/pycode --draft specplug/models/pycode-draft \
         --tokenizer W/tokenizer
 
-(`python -m specplug.training.cli ...` is the same group.)  Runs are resumable:
+(`python -m specplug.training.cli ...` is the same group.)  The bundled target's run had
+its --steps lowered mid-run (2000 -> 1500 -> 1400 -> 1050 -> 900, at steps 20/89/734/751/763,
+to fit a shared machine), so a fresh `--steps 900` run follows a slightly different cosine
+schedule; the draft runs match their commands (the total only changed during warmup).  Runs are resumable:
 rerunning a command with the same --work-dir continues from its last checkpoint
 (SIGTERM/Ctrl-C saves one); batches depend only on (seed, step).
 """

@@ -308,7 +308,7 @@ def export(work_dir: str | Path, tokenizer_dir: str | Path, out_dir: str | Path,
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        do_sample=False, max_length=2048)
+        do_sample=False)
     for f in out.glob("*.safetensors"):
         f.unlink()
     model.save_pretrained(str(out), safe_serialization=True)
