@@ -1,0 +1,233 @@
+"""The load bench: goodput and per-token latency against batch size, for target-only decoding, fixed γ and γ
+policies per proposer, all through the batched decoder (:func:`specplug.batch.generate_batch`).
+
+Every run serves the same load: ``requests`` requests (default: the largest batch size; prompts cycled, seeds
+per request), ``max_new_tokens`` each, with at most B decoded together; as a request finishes the next one
+joins (continuous batching, ``generate_batch(..., max_batch_size=B)``). So every batch size does the same
+work, and goodput = tokens emitted by all requests / wall seconds of the run (prefills included). Per-token latency is
+each step's wall time shared among the tokens it emitted for that row (what a user of the row sees), pooled
+over the run's rows; a cell reports the median over repeats of each run's goodput, p50 and p99. Runs are
+interleaved (repeat → batch size → variant, variant order rotated each repeat) so machine drift hits all
+cells alike, and every cell gets its own fresh proposer and policy objects per run.
+
+Variants: ``target-only`` (γ = 0, the baseline), then for each proposer spec one variant per entry of
+``gammas`` (an int γ) and one per entry of ``policies`` (label → factory returning a fresh policy object with
+``choose(seq, max_k)`` / ``update(...)``, see :mod:`specplug.batch`).
+"""
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from specplug.batch import generate_batch
+from specplug.plugins import get_proposer
+from specplug.sampling import SamplingParams
+from specplug.target import Target
+
+from .compare import ProposerSpec, attachable
+
+SCHEMA = "specplug.load/1"
+
+DEFAULT_PROMPTS = (
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def parse_args(args):\n    \"\"\"Parse command line arguments.\"\"\"\n",
+    "for i in range(10):\n",
+    "def read_file(path):\n    with open(path) as fh:\n",
+    "class Point:\n    def __init__(self, x, y):\n",
+    "def merge_sort(items):\n",
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One line of the table: a proposer spec (None: target-only) with an int γ or a policy factory."""
+
+    label: str
+    spec: ProposerSpec | None
+    gamma: int | None = 0
+    policy: Callable[[], object] | None = None
+    policy_label: str | None = None
+
+    def make(self, target: Target):
+        proposer = None if self.spec is None else get_proposer(self.spec.name, target=target, **self.spec.options)
+        return proposer, (self.policy() if self.policy is not None else self.gamma)
+
+
+def variants(specs: Sequence[ProposerSpec], gammas: Sequence[int],
+             policies: Mapping[str, Callable[[], object]] | None = None) -> list[Variant]:
+    out = [Variant("target-only", None, 0)]
+    for spec in specs:
+        out += [Variant(f"{spec.label} γ={g}", spec, int(g)) for g in gammas]
+        out += [Variant(f"{spec.label} {name}", spec, None, factory, name) for name, factory in (policies or {}).items()]
+    return out
+
+
+def _run(target, variant: Variant, prompts: Sequence[str], B: int, max_new_tokens: int, temperature: float,
+         seed: int, requests: int) -> dict:
+    proposer, gamma = variant.make(target)
+    rows = [prompts[i % len(prompts)] for i in range(requests)]
+    sampling = [SamplingParams(temperature=temperature, seed=seed + i) for i in range(requests)]
+    t0 = time.perf_counter()
+    results = generate_batch(target, proposer, rows, max_new_tokens=max_new_tokens, sampling=sampling,
+                             num_speculative_tokens=gamma, max_batch_size=B)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(r.tokens) for r in results)
+    lat = np.concatenate([r.stats.token_latencies() for r in results]) if results else np.zeros(0)
+    drafted = sum(r.stats.draft_tokens for r in results)
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    return {
+        "wall_s": wall, "tokens": tokens, "goodput": tokens / wall if wall else None,
+        "p50": float(np.percentile(lat, 50)) if lat.size else None,
+        "p99": float(np.percentile(lat, 99)) if lat.size else None,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_gamma": drafted / sum(r.stats.target_calls for r in results),
+        "finish_p90": float(np.percentile([r.stats.wall_time for r in results], 90)),
+        "fallback_steps": sum(r.stats.fallback_steps for r in results),
+        "tokens_by_row": [r.tokens for r in results],
+    }
+
+
+def run_load(target: Target, proposer_specs: Sequence[ProposerSpec | str], *,
+             batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), gammas: Sequence[int] = (2, 4),
+             policies: Mapping[str, Callable[[], object]] | None = None, max_new_tokens: int = 64,
+             prompts: Sequence[str] | None = None, requests: int | None = None, temperature: float = 0.0,
+             repeats: int = 3, warmup: bool = True, progress: Callable[[int, str], None] | None = None) -> dict:
+    """Measure goodput and per-token latency per (variant, batch size); return a JSON-able report
+    (schema ``specplug.load/1``). ``proposer_specs`` are ProposerSpec or ``name:key=value`` strings."""
+    specs = [s if isinstance(s, ProposerSpec) else ProposerSpec.parse(s) for s in proposer_specs]
+    specs, skipped = attachable(target, specs)
+    prompts = list(prompts or DEFAULT_PROMPTS)
+    cells = variants(specs, gammas, policies)
+    requests = requests or max(batch_sizes)
+    runs: dict[tuple[str, int], list[dict]] = {}
+    if warmup:
+        for v in cells:
+            _run(target, v, prompts, 2, 4, temperature, 0, 2)
+    for rep in range(repeats):
+        for B in batch_sizes:
+            order = cells[rep % len(cells):] + cells[: rep % len(cells)]
+            for v in order:
+                runs.setdefault((v.label, B), []).append(
+                    _run(target, v, prompts, B, max_new_tokens, temperature, 1000 * rep, requests))
+                if progress is not None:
+                    progress(1, f"B={B} {v.label}")
+    return _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new_tokens, len(prompts),
+                   requests, temperature, repeats)
+
+
+def count_runs(specs, batch_sizes, gammas, policies, repeats) -> int:
+    """Runs run_load will make (for a progress bar): repeats × batch sizes × variants."""
+    return repeats * len(batch_sizes) * (1 + len(specs) * (len(gammas) + len(policies or {})))
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return float(statistics.median(values)) if values else None
+
+
+def _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new_tokens, n_prompts, requests,
+            temperature, repeats) -> dict:
+    report = {
+        "schema": SCHEMA,
+        "target": {"name": target.name, "parameters": sum(p.numel() for p in target.model.parameters()),
+                   "device": str(target.device), "dtype": str(target.dtype).replace("torch.", "")},
+        "settings": {"batch_sizes": list(batch_sizes), "gammas": list(gammas), "policies": list(policies or {}),
+                     "max_new_tokens": max_new_tokens, "prompts": n_prompts, "requests": requests,
+                     "temperature": temperature,
+                     "repeats": repeats},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "platform": platform.platform()},
+        "skipped": skipped, "cells": [], "best": {},
+    }
+    base = {B: _median([r["goodput"] for r in runs[("target-only", B)]]) for B in batch_sizes}
+    for v in cells:
+        for B in batch_sizes:
+            entries = runs[(v.label, B)]
+            goodput = _median([r["goodput"] for r in entries])
+            greedy_equal = None
+            if temperature == 0 and v.spec is not None:
+                greedy_equal = all(r["tokens_by_row"] == b["tokens_by_row"]
+                                   for r, b in zip(entries, runs[("target-only", B)]))
+            report["cells"].append({
+                "variant": v.label, "proposer": v.spec.label if v.spec else None,
+                "gamma": v.gamma if v.policy is None else None, "policy": v.policy_label,
+                "batch_size": B, "runs": len(entries), "goodput_tokens_per_s": goodput,
+                "speedup_vs_target_only": goodput / base[B] if goodput and base[B] else None,
+                "token_latency_p50_s": _median([r["p50"] for r in entries]),
+                "token_latency_p99_s": _median([r["p99"] for r in entries]),
+                "acceptance_rate": _median([r["acceptance_rate"] for r in entries]),
+                "mean_gamma": _median([r["mean_gamma"] for r in entries]),
+                "wall_s": _median([r["wall_s"] for r in entries]),
+                "time_to_finish_p90_s": _median([r["finish_p90"] for r in entries]),
+                "fallback_steps": sum(r["fallback_steps"] for r in entries),
+                "greedy_equal_to_target_only": greedy_equal,
+            })
+    for B in batch_sizes:
+        at_b = [c for c in report["cells"] if c["batch_size"] == B and c["goodput_tokens_per_s"]]
+        best = max(at_b, key=lambda c: c["goodput_tokens_per_s"], default=None)
+        static = [c for c in at_b if c["policy"] is None]
+        best_static = max(static, key=lambda c: c["goodput_tokens_per_s"], default=None)
+        report["best"][str(B)] = {"variant": best and best["variant"],
+                                  "best_static": best_static and best_static["variant"],
+                                  "speculation_pays": bool(best and best["variant"] != "target-only")}
+    return report
+
+
+def render(report: dict, console=None) -> None:
+    """Two rich tables: goodput (× target-only) and p50/p99 per-token latency, variants × batch sizes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    sizes = report["settings"]["batch_sizes"]
+    by = {(c["variant"], c["batch_size"]): c for c in report["cells"]}
+    labels = list(dict.fromkeys(c["variant"] for c in report["cells"]))
+    s = report["settings"]
+    title = (f"goodput, tokens/s over all rows (× target-only) — {report['target']['name']}, {s['requests']} "
+             f"requests × {s['max_new_tokens']} tokens, at most B at once, T={s['temperature']}, "
+             f"median of {s['repeats']}")
+    table = Table(title=title)
+    table.add_column("variant")
+    for B in sizes:
+        table.add_column(f"B={B}", justify="right")
+    for label in labels:
+        cells = []
+        for B in sizes:
+            c = by[(label, B)]
+            text = f"{c['goodput_tokens_per_s']:.1f}"
+            if c["speedup_vs_target_only"] is not None and label != "target-only":
+                text += f" ({c['speedup_vs_target_only']:.2f}×)"
+            if report["best"][str(B)]["variant"] == label:
+                text = f"[bold]{text}[/bold]"
+            cells.append(text)
+        table.add_row(label, *cells)
+    console.print(table)
+    lat = Table(title="per-token latency p50 / p99 (ms)")
+    lat.add_column("variant")
+    for B in sizes:
+        lat.add_column(f"B={B}", justify="right")
+    for label in labels:
+        lat.add_row(label, *[f"{1e3 * by[(label, B)]['token_latency_p50_s']:.1f} / "
+                             f"{1e3 * by[(label, B)]['token_latency_p99_s']:.1f}" for B in sizes])
+    console.print(lat)
+    acc = Table(title="acceptance rate α / mean γ drafted per step")
+    acc.add_column("variant")
+    for B in sizes:
+        acc.add_column(f"B={B}", justify="right")
+    for label in labels[1:]:
+        acc.add_row(label, *[_fmt_alpha(by[(label, B)]) for B in sizes])
+    if labels[1:]:
+        console.print(acc)
+
+
+def _fmt_alpha(c) -> str:
+    a = c["acceptance_rate"]
+    return ("–" if a is None else f"{a:.2f}") + f" / {c['mean_gamma']:.1f}"
