@@ -144,12 +144,15 @@ def _numbers(text: str, kind=float) -> list:
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--peer", type=click.Choice(["hf"]), help="Also run Hugging Face's own assisted generation.")
+@click.option("--batch-sizes", default=None, metavar="1,2,4,8,16",
+              help="Load bench instead: goodput and latency per batch size for no speculation, fixed γ and "
+                   "the heuristic and cost-model policies (first temperature only).")
 @click.option("--html", "html_path", default="report.html", show_default=True, help="HTML report ('' for none).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema specplug.compare/1).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
 def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, temperatures, max_new_tokens,
-            repeats, peer, html_path, as_json, device, dtype) -> None:
+            repeats, peer, batch_sizes, html_path, as_json, device, dtype) -> None:
     """Compare proposers side by side against target-only decoding on real workloads."""
     import specplug
     from specplug.bench import compare as bench
@@ -171,6 +174,10 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
     from rich.progress import Progress
 
     err = Console(stderr=True)
+    if batch_sizes:
+        _load_bench(tgt, specs, workloads, _numbers(batch_sizes, int), gamma_list, temp_list[0], max_new_tokens,
+                    repeats, as_json, err)
+        return
     attached, _ = bench.attachable(tgt, specs)
     peer_runs = (2 if any(s.name == "draft-model" for s in attached) else 1) * len(gamma_list) if peer else 0
     total = bench.count_runs(attached, workloads, gamma_list, temp_list, repeats, peer_runs)
@@ -190,6 +197,27 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
     if html_path:
         rep.write_html(result, html_path)
         err.print(f"report written to {html_path}")
+
+
+def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_new_tokens, repeats, as_json, err):
+    from rich.progress import Progress
+
+    from specplug.bench import load
+    from specplug.plugins import get_policy
+
+    attached, _ = load.attachable(target, specs)
+    policies = {"heuristic": lambda: get_policy("heuristic", gamma=max(gammas)),
+                "cost-model": lambda: get_policy("cost-model", max_gamma=max(gammas))}
+    prompts = [p for w in workloads for p in w.prompts]
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("load", total=load.count_runs(attached, batch_sizes, gammas, policies, repeats))
+        report = load.run_load(target, specs, batch_sizes=batch_sizes, gammas=gammas, policies=policies,
+                               max_new_tokens=max_new_tokens, prompts=prompts, temperature=temperature,
+                               repeats=repeats, progress=lambda n, note: bar.update(task, advance=n, description=note))
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        load.render(report)
 
 
 @main.command()

@@ -82,11 +82,12 @@ class MeasuredCosts:
     draft_per_token: float | None = None
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
 
-    def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int) -> None:
+    def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int,
+                scored: int | None = None) -> None:
         if proposed:
             per = draft_time / proposed
             self.draft_per_token = per if self.draft_per_token is None else _ewma(self.draft_per_token, per, self.decay)
-        key = (proposed + 1, batch_size)
+        key = (scored or proposed + 1, batch_size)
         self.verify[key] = verify_time if key not in self.verify else _ewma(self.verify[key], verify_time, self.decay)
 
     def draft_time(self, k: int) -> float:
@@ -153,7 +154,7 @@ class CostModelPolicy(GammaPolicy):
 
     def choose(self, seq, max_k):
         state = self._state(seq)
-        k = self.best_k(state["successes"] / state["trials"], max_k)
+        k = self.best_k(state["successes"] / state["trials"], max_k, seq.scratch.get("batch_size", 1))
         if k == 0:
             state["idle"] += 1
             if state["idle"] >= self.probe_every and max_k > 0:
@@ -162,7 +163,11 @@ class CostModelPolicy(GammaPolicy):
         return k
 
     def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
-        self.costs.observe(proposed, draft_time, verify_time, batch_size)
+        step = seq.scratch.get("batch_step")
+        if step:  # in a batch the step scored the longest draft and waited for every row's drafting
+            self.costs.observe(proposed, step["draft_time"], verify_time, step["batch_size"], step["scored"])
+        else:
+            self.costs.observe(proposed, draft_time, verify_time, batch_size)
         if proposed == 0:
             return
         state = self._state(seq)

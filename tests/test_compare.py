@@ -38,3 +38,16 @@ def test_tiny_compare_run_yields_schema_json_and_html_with_every_plot(tiny_dirs,
 def test_compare_rejects_an_unknown_workload(tiny_dirs):
     result = CliRunner().invoke(main, ["compare", "--target", str(tiny_dirs["target"]), "-w", "nonsense"])
     assert result.exit_code != 0 and "unknown workload 'nonsense'" in result.output
+
+
+def test_load_bench_reports_goodput_per_batch_size_with_policies(tiny_dirs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os\\n"}\n')
+    result = CliRunner().invoke(main, [
+        "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "-w", str(prompts), "--gammas", "2",
+        "--max-new-tokens", "8", "--batch-sizes", "1,2", "--repeats", "1", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    text = json.dumps(report)
+    for label in ("heuristic", "cost-model"):
+        assert label in text
