@@ -18,6 +18,7 @@ from specplug.types import Proposal, Proposer, SequenceState, Verdict
 
 class DraftModelProposer(Proposer):
     name = "draft-model"
+    conformance_options = {"model": "@kit-draft"}  # the conformance kit supplies a draft for its tiny target
 
     def __init__(self, target: Target | None = None, model: str | os.PathLike | torch.nn.Module | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,

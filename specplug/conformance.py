@@ -184,13 +184,15 @@ class _ResidueProbe(Proposer):
 
 
 def registry_factory(name: str, options: dict) -> ProposerFactory:
-    """A factory for a registered proposer; ``draft-model`` without ``model=`` gets the kit's tiny draft."""
-    from specplug.plugins import get_proposer
+    """A factory for a registered proposer. A proposer class may declare ``conformance_options``: defaults
+    the kit applies under the user's options (the value ``"@kit-draft"`` means the kit's tiny draft model)."""
+    from specplug.plugins import get_proposer, list_proposers
+
+    info = list_proposers().get(name)
+    defaults = dict(getattr(info.factory, "conformance_options", {})) if info else {}
 
     def factory(target: Target, draft_dir: Path) -> Proposer:
-        opts = dict(options)
-        if name == "draft-model":
-            opts.setdefault("model", draft_dir)
+        opts = {k: (draft_dir if v == "@kit-draft" else v) for k, v in {**defaults, **options}.items()}
         return get_proposer(name, target=target, **opts)
 
     return factory

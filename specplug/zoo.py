@@ -7,6 +7,9 @@ from pathlib import Path
 PREFIX = "zoo:"
 # The draft (and later heads) that belong to each bundled target.
 DEFAULT_DRAFT = {"pycode": "pycode-draft"}
+# Feature heads (specplug.heads format) trained for each bundled target.
+DEFAULT_EAGLE = {"pycode": "pycode-eagle"}
+DEFAULT_MTP = {"pycode": "pycode-mtp"}
 
 
 def models_dir() -> Path:
@@ -17,7 +20,8 @@ def available() -> list[str]:
     root = models_dir()
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file()
+                  and "specplug_head" not in (p / "config.json").read_text())  # heads are not models
 
 
 def is_zoo_name(name: object) -> bool:

@@ -1,0 +1,246 @@
+"""``eagle``: an EAGLE-1-style feature head drafts from the target's own hidden features.
+
+Entry i of the head's sequence is ``fc([embedding(x[i+1]) ; f[i]])`` where f[i] is the target's feature at
+position i (its final-normed last hidden state, exactly what the LM head reads) and x[i+1] the token that
+follows; one Llama decoder layer (own KV cache, rotary positions i) turns it into f^[i+1], a prediction of the
+target's feature at i+1, and the target's LM head (shared by reference, frozen) turns that into logits for
+x[i+2]. q = ``processed_probs(logits, seq.sampling)``; the draft token is sampled from q with ``seq.rng``.
+Drafting k tokens feeds the head its own predicted features k-1 times.
+
+Why the post-norm feature: ``lm_head(f) == logits`` holds for the target's "last" feature, so the head
+regresses exactly what the LM head consumes, at a fixed scale (RMS-normalised) that suits a smooth-L1 loss;
+the target's final norm is already inside f and is therefore not applied again (EAGLE-1 does the same).
+
+Cache invariant: between calls the head's cache holds only entries built from *verified* target features
+(entries 0..fed-1); the entries a draft adds are cropped before ``propose`` returns. ``observe`` queues the
+features of the newly verified positions, which the next ``propose`` feeds in one forward.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from specplug import heads, zoo
+from specplug.plugins.hookspecs import hookimpl
+from specplug.sampling import processed_probs
+from specplug.types import Proposal, Proposer, SequenceState, Verdict
+
+KIND = "eagle"
+_ARCH_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "rope_parameters", "max_position_embeddings", "vocab_size", "hidden_act")
+
+
+def head_config_for(target_config) -> dict:
+    """The head's architecture, mirrored from the target's (one layer of the same width)."""
+    cfg = {k: getattr(target_config, k, None) for k in _ARCH_KEYS}
+    cfg["head_dim"] = cfg["head_dim"] or target_config.hidden_size // target_config.num_attention_heads
+    cfg["hidden_act"] = cfg["hidden_act"] or "silu"
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def _llama_config(head_config: dict):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**head_config, num_hidden_layers=1, attention_bias=False, mlp_bias=False,
+                       attn_implementation="sdpa")
+
+
+class KVCache:
+    """The head's own key/value cache: ``update`` is what HF's attention calls; ``crop`` rolls back."""
+
+    def __init__(self):
+        self.key: torch.Tensor | None = None
+        self.value: torch.Tensor | None = None
+
+    def update(self, key, value, layer_idx=0, *args, **kwargs):
+        if self.key is None:
+            self.key, self.value = key, value
+        else:
+            self.key = torch.cat([self.key, key], dim=2)
+            self.value = torch.cat([self.value, value], dim=2)
+        return self.key, self.value
+
+    @property
+    def length(self) -> int:
+        return 0 if self.key is None else self.key.shape[2]
+
+    def crop(self, length: int) -> None:
+        if self.key is not None and length < self.length:
+            self.key, self.value = self.key[:, :, :length], self.value[:, :, :length]
+
+
+class EagleHead(nn.Module):
+    """fc(2h -> h) + one Llama decoder layer. Reads [embedding(token t+1) ; feature t], predicts feature t+1."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        self.config = dict(config)
+        llama = _llama_config(self.config)
+        h = llama.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layer = LlamaDecoderLayer(llama, layer_idx=0)
+        self.rotary = LlamaRotaryEmbedding(llama)
+
+    @classmethod
+    def for_target(cls, target_config, *, seed: int = 0, std: float = 0.02) -> "EagleHead":
+        head = cls(head_config_for(target_config))
+        head.reset_parameters(seed=seed, std=std)
+        return head
+
+    def reset_parameters(self, seed: int = 0, std: float = 0.02) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """features, embeds [B, T, h]; position_ids [B, T] -> predicted next features [B, T, h]."""
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        cos_sin = self.rotary(x, position_ids)
+        q_len = x.shape[1]
+        past = cache.length if cache is not None else 0
+        mask = None
+        if q_len > 1 and past > 0:  # bottom-right-aligned causal mask over [cache ; new]
+            rows = torch.arange(q_len, device=x.device)[:, None] + past
+            mask = (torch.arange(past + q_len, device=x.device)[None, :] <= rows)[None, None]
+        return self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,
+                          use_cache=cache is not None, position_embeddings=cos_sin)
+
+
+@dataclass
+class _State:
+    cache: KVCache = field(default_factory=KVCache)
+    base: int = 0        # position of the head's first entry (0 when the prompt's features were computed)
+    fed: int = 0         # positions base..fed-1 have entries in the cache (built from verified features)
+    known: int = 0       # verified target features exist for positions < known (those >= fed are pending)
+    pending: list = field(default_factory=list)  # feature tensors [n_i, h] for positions fed..known-1
+
+
+class EagleProposer(Proposer):
+    # the conformance kit's tiny target has no trained head: check the mechanism with a random one
+    conformance_options = {"head": "random"}
+    name = KIND
+    needs_features = ("last",)
+
+    def __init__(self, target=None, head: str | os.PathLike | EagleHead | None = None, seed: int = 0,
+                 init_std: float = 0.02, prompt_features: bool = True):
+        """``head``: a head directory, a ``zoo:`` head name, an :class:`EagleHead`, or ``"random"`` (a
+        randomly initialised head, for tests; ``seed``/``init_std`` set it). Default: the head bundled for a
+        zoo target or found beside a local target directory (``<target>-eagle``).
+        ``prompt_features``: compute the prompt's features with one extra target forward in ``begin`` (the
+        decode loop prefills without features); False starts drafting from the first verified step."""
+        if target is None:
+            raise TypeError("eagle needs target= (the Target whose features it reads)")
+        self.target = target
+        self.prompt_features = bool(prompt_features)
+        self.head_path = None
+        if head is None:
+            head = heads.default_head_dir(target, KIND, zoo.DEFAULT_EAGLE)
+            if head is None:
+                raise TypeError(f"eagle needs head= (a trained head directory, or 'random') for target "
+                                f"{target.name!r}; only bundled zoo targets have a default head")
+        if isinstance(head, EagleHead):
+            module = head
+        elif isinstance(head, str) and head == "random":
+            module = EagleHead.for_target(target.model.config, seed=int(seed), std=float(init_std))
+        else:
+            self.head_path = heads.resolve_head_path(head)
+            config, state = heads.load_head(self.head_path, KIND, target)
+            module = EagleHead(config["head"])
+            module.load_state_dict(state)
+        if module.config["hidden_size"] != target.hidden_size or module.config.get("vocab_size", target.vocab_size) != target.vocab_size:
+            raise ValueError(f"eagle: head (hidden {module.config['hidden_size']}) does not fit target "
+                             f"{target.name!r} (hidden {target.hidden_size}, vocab {target.vocab_size})")
+        self.head = module.to(device=target.device, dtype=target.dtype).eval()
+        for p in self.head.parameters():
+            p.requires_grad_(False)
+
+    # --- per-sequence state ----------------------------------------------------------------------
+    def _state(self, seq: SequenceState) -> _State:
+        st = seq.scratch.get(self.name)
+        if st is None:
+            st = seq.scratch[self.name] = self._fresh(seq)
+        return st
+
+    def _fresh(self, seq: SequenceState, full: bool = True) -> _State:
+        """Restart from the verified sequence: queue the target's features of every position but the newest
+        (one extra target forward), or, with ``full=False``, wait for the features the loop delivers."""
+        if seq.target.model is not self.target.model:
+            raise ValueError(f"eagle: this proposer was built for target {self.target.name!r}, "
+                             f"not {seq.target.name!r}")
+        n = len(seq.ids)
+        if not full:
+            return _State(base=n - 1, fed=n - 1, known=n - 1)
+        # a loop that prefills with features may hand them over (seq.prompt_features); else one extra forward
+        given = (getattr(seq, "prompt_features", None) or {}).get("last")
+        if given is not None and given.shape[0] == n - 1 and n - 1 == seq.num_prompt - 1:
+            feats = given
+        else:
+            feats = heads.prefix_features(seq.target, seq.ids[: n - 1])
+        return _State(base=0, fed=0, known=n - 1, pending=[feats] if n > 1 else [])
+
+    def begin(self, seq: SequenceState) -> None:
+        seq.scratch[self.name] = self._fresh(seq, full=self.prompt_features)
+
+    def propose(self, seq: SequenceState, k: int) -> Proposal:
+        device = seq.target.device
+        st = self._state(seq)
+        n = len(seq.ids)
+        if st.known != n - 1:  # a step went by unobserved (e.g. a fallback step): rebuild from the target
+            st = seq.scratch[self.name] = self._fresh(seq)
+        if k <= 0 or not st.pending:
+            return Proposal.empty(device)
+        emb, lm_head = self.target.embedding, self.target.lm_head
+        with torch.inference_mode():
+            feats = torch.cat(st.pending).to(device=device, dtype=self.head.fc.weight.dtype)
+            start = st.fed
+            tokens = torch.tensor(seq.ids[start + 1: n], device=device)
+            pos = torch.arange(start, n - 1, device=device)
+            f_hat = self.head(feats[None], emb(tokens)[None], pos[None], st.cache)[0, -1]
+            st.fed, st.pending = n - 1, []
+            drafted, q_rows = [], []
+            for j in range(k):
+                q = processed_probs(lm_head(f_hat), seq.sampling)
+                token = int(torch.multinomial(q, 1, generator=seq.rng))
+                drafted.append(token)
+                q_rows.append(q)
+                if j + 1 < k:
+                    tok = torch.tensor([[token]], device=device)
+                    f_hat = self.head(f_hat[None, None], emb(tok), torch.tensor([[n - 1 + j]], device=device),
+                                      st.cache)[0, -1]
+            st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
+        return Proposal(torch.tensor(drafted, device=device), torch.stack(q_rows))
+
+    def observe(self, seq: SequenceState, verdict: Verdict) -> None:
+        st = self._state(seq)
+        feats = (verdict.features or {}).get("last")
+        # the features cover [last, x1..x_accepted]; `last` sat at position len(ids) - 1 - (tokens emitted)
+        first = len(seq.ids) - 1 - len(verdict.tokens)
+        if feats is None or first != st.known:
+            st.known = -1  # out of step (a cut final step, or an unobserved one): rebuild on the next propose
+            return
+        st.pending.append(feats[: verdict.accepted + 1])
+        st.known += verdict.accepted + 1
+
+    def end(self, seq: SequenceState) -> None:
+        seq.scratch.pop(self.name, None)
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.head.parameters())
+
+
+@hookimpl
+def register_proposers(register):
+    register(KIND, EagleProposer,
+             "EAGLE-style head: [embedding; target feature] -> one decoder layer -> target LM head; q = its softmax.")

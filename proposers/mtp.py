@@ -1,0 +1,205 @@
+"""``mtp``: Medusa/MTP-style heads on the target's last hidden state.
+
+Let t be the last verified position (its LM-head token is the token the step just emitted, at t+1). Head i
+(i = 0..n-1) reads the target's feature f[t] (final-normed last hidden state) and predicts the token at
+t+2+i: ``logits_i = proj_i(block_i(f[t]))`` where block_i is a residual block ``x + SiLU(W x + b)`` (W, b
+zero-initialised, so the block starts as the identity) and proj_i an output projection initialised from the
+target's LM head — or, with ``share_lm_head``, ``lm_head(A_i x)``: the target's LM head itself (by reference,
+frozen) after a learned h x h map A_i initialised to the identity (1 MB per head in fp16 instead of ~8.5 MB for
+an own 8192 x 512 projection; A_i lets the head reach any point of the LM head's input space, which a residual
+SiLU block alone cannot: SiLU >= -0.28 bounds how far it can move a coordinate down). q_i = processed softmax of head i and
+draft token i is sampled from q_i with ``seq.rng`` (independently of the earlier drafts: q_i is exactly the
+distribution it was drawn from, which is all the verifier needs). At most n tokens are drafted per step.
+
+The loop prefills the prompt without features, so ``begin`` spends one extra target forward on the prompt to
+get f[t] for the first step (``prompt_features=False`` skips it: the first step then drafts nothing, and the
+proposal depends on the history, not only on the sequence).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specplug import heads, zoo
+from specplug.plugins.hookspecs import hookimpl
+from specplug.sampling import processed_probs
+from specplug.types import Proposal, Proposer, SequenceState, Verdict
+
+KIND = "mtp"
+
+
+def head_config_for(target_config, *, num_heads: int = 3, num_layers: int = 1, share_lm_head: bool = False) -> dict:
+    return {"hidden_size": target_config.hidden_size, "vocab_size": target_config.vocab_size,
+            "num_heads": int(num_heads), "num_layers": int(num_layers), "share_lm_head": bool(share_lm_head)}
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b); zero W and b make it the identity."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+class MTPHeads(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        self.config = dict(config)
+        h, v, n = config["hidden_size"], config["vocab_size"], config["num_heads"]
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(h) for _ in range(config.get("num_layers", 1))]) for _ in range(n))
+        share = config.get("share_lm_head")
+        self.proj = None if share else nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(n))
+        self.adapt = nn.ModuleList(nn.Linear(h, h, bias=False) for _ in range(n)) if share else None
+
+    @property
+    def num_heads(self) -> int:
+        return self.config["num_heads"]
+
+    @classmethod
+    def for_target(cls, target_model, *, num_heads: int = 3, num_layers: int = 1, share_lm_head: bool = False,
+                   seed: int | None = None, std: float = 0.0) -> "MTPHeads":
+        """Identity blocks + projections copied from the target's LM head (the issue's initialisation);
+        ``std`` > 0 instead draws the block weights at random (seeded) — random heads for tests."""
+        mod = cls(head_config_for(target_model.config, num_heads=num_heads, num_layers=num_layers,
+                                  share_lm_head=share_lm_head))
+        mod.reset_parameters(target_model.get_output_embeddings().weight, seed=seed, std=std)
+        return mod
+
+    def reset_parameters(self, lm_head_weight: torch.Tensor, seed: int | None = None, std: float = 0.0) -> None:
+        g = torch.Generator().manual_seed(seed or 0)
+        with torch.no_grad():
+            for block in self.blocks:
+                for res in block:
+                    if std > 0:
+                        res.linear.weight.copy_(torch.randn(res.linear.weight.shape, generator=g) * std)
+                        res.linear.bias.copy_(torch.randn(res.linear.bias.shape, generator=g) * std)
+                    else:
+                        res.linear.weight.zero_()
+                        res.linear.bias.zero_()
+            if self.proj is not None:
+                for proj in self.proj:
+                    proj.weight.copy_(lm_head_weight.detach().to(proj.weight.dtype))
+            if self.adapt is not None:
+                for adapt in self.adapt:
+                    adapt.weight.copy_(torch.eye(adapt.weight.shape[0]))
+
+    def hidden(self, features: torch.Tensor, n: int | None = None) -> torch.Tensor:
+        """features [..., h] -> per-head hidden states [..., n, h] (the first n heads)."""
+        n = self.num_heads if n is None else n
+        return torch.stack([self.blocks[i](features) for i in range(n)], dim=-2)
+
+    def logits(self, features: torch.Tensor, lm_head: nn.Module | None = None, n: int | None = None) -> torch.Tensor:
+        """features [..., h] -> logits [..., n, V]; ``lm_head`` is the target's (needed with share_lm_head)."""
+        hid = self.hidden(features, n)
+        if self.proj is None:
+            if lm_head is None:
+                raise ValueError("these MTP heads share the target's LM head: pass lm_head=")
+            hid = torch.stack([self.adapt[i](hid[..., i, :]) for i in range(hid.shape[-2])], dim=-2)
+            return lm_head(hid)
+        return torch.stack([self.proj[i](hid[..., i, :]) for i in range(hid.shape[-2])], dim=-2)
+
+
+@dataclass
+class _State:
+    feature: torch.Tensor | None = None  # the target's feature at position `at`
+    at: int = -1
+
+
+class MTPProposer(Proposer):
+    # the conformance kit's tiny target has no trained heads: check the mechanism with random ones
+    conformance_options = {"head": "random"}
+    name = KIND
+    needs_features = ("last",)
+
+    def __init__(self, target=None, head: str | os.PathLike | MTPHeads | None = None, num_heads: int = 3,
+                 num_layers: int = 1, share_lm_head: bool = False, seed: int = 0, init_std: float = 0.1,
+                 prompt_features: bool = True):
+        """``head``: a heads directory, a ``zoo:`` name, an :class:`MTPHeads`, or ``"random"`` (random blocks
+        with ``num_heads``/``num_layers``/``share_lm_head``, seeded; for tests). Default: the heads bundled
+        for a zoo target or found beside a local target directory (``<target>-mtp``)."""
+        if target is None:
+            raise TypeError("mtp needs target= (the Target whose features it reads)")
+        self.target = target
+        self.prompt_features = bool(prompt_features)
+        self.head_path = None
+        if head is None:
+            head = heads.default_head_dir(target, KIND, zoo.DEFAULT_MTP)
+            if head is None:
+                raise TypeError(f"mtp needs head= (a trained heads directory, or 'random') for target "
+                                f"{target.name!r}; only bundled zoo targets have default heads")
+        if isinstance(head, MTPHeads):
+            module = head
+        elif isinstance(head, str) and head == "random":
+            module = MTPHeads.for_target(target.model, num_heads=num_heads, num_layers=num_layers,
+                                         share_lm_head=share_lm_head, seed=int(seed), std=float(init_std))
+        else:
+            self.head_path = heads.resolve_head_path(head)
+            config, state = heads.load_head(self.head_path, KIND, target)
+            module = MTPHeads(config["head"])
+            module.load_state_dict(state)
+        if module.config["hidden_size"] != target.hidden_size or module.config["vocab_size"] != target.vocab_size:
+            raise ValueError(f"mtp: heads (hidden {module.config['hidden_size']}, vocab "
+                             f"{module.config['vocab_size']}) do not fit target {target.name!r} "
+                             f"(hidden {target.hidden_size}, vocab {target.vocab_size})")
+        self.heads = module.to(device=target.device, dtype=target.dtype).eval()
+        for p in self.heads.parameters():
+            p.requires_grad_(False)
+
+    def _check_target(self, seq: SequenceState) -> None:
+        if seq.target.model is not self.target.model:
+            raise ValueError(f"mtp: this proposer was built for target {self.target.name!r}, not {seq.target.name!r}")
+
+    def begin(self, seq: SequenceState) -> None:
+        self._check_target(seq)
+        st = _State()
+        n = len(seq.ids)
+        given = (getattr(seq, "prompt_features", None) or {}).get("last")  # if the loop prefilled with features
+        if given is not None and n >= 2 and given.shape[0] == n - 1:
+            st.feature, st.at = given[-1], n - 2
+        elif self.prompt_features and n >= 2:
+            st.feature, st.at = heads.prefix_features(seq.target, seq.ids[: n - 1])[-1], n - 2
+        seq.scratch[self.name] = st
+
+    def propose(self, seq: SequenceState, k: int) -> Proposal:
+        device = seq.target.device
+        st = seq.scratch.get(self.name)
+        k = min(k, self.heads.num_heads)
+        # head i reads f[t], t = the position before the newest token, and predicts the token at t+2+i
+        if st is None or st.feature is None or st.at != len(seq.ids) - 2 or k <= 0:
+            return Proposal.empty(device)
+        with torch.inference_mode():
+            logits = self.heads.logits(st.feature.to(self.heads.blocks[0][0].linear.weight.dtype),
+                                       self.target.lm_head, n=k)
+            q = processed_probs(logits, seq.sampling)  # [k, V]
+            tokens = torch.multinomial(q, 1, generator=seq.rng)[:, 0]
+        return Proposal(tokens.to(device), q)
+
+    def observe(self, seq: SequenceState, verdict: Verdict) -> None:
+        st = seq.scratch.setdefault(self.name, _State())
+        feats = (verdict.features or {}).get("last")
+        if feats is None:
+            st.feature, st.at = None, -1
+            return
+        # features of [last, x1..x_accepted]; `last` sat at position len(ids) - 1 - (tokens emitted)
+        first = len(seq.ids) - 1 - len(verdict.tokens)
+        st.feature, st.at = feats[verdict.accepted], first + verdict.accepted
+
+    def end(self, seq: SequenceState) -> None:
+        seq.scratch.pop(self.name, None)
+
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.heads.parameters())
+
+
+@hookimpl
+def register_proposers(register):
+    register(KIND, MTPProposer,
+             "Medusa/MTP heads on the target's last hidden state; head i drafts token t+2+i from its softmax.")
