@@ -32,7 +32,8 @@ from .testing import (EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sa
 from .types import Proposer, SequenceState
 
 VOCAB = 6
-PROMPTS = ([1, 2, 3, 4, 5, 0, 1, 2], [0, 0, 1, 0, 0, 1, 0], [5, 4, 3, 2, 1, 5, 4, 3, 2])
+# the last ends in a context seen with two continuations, so frequency-based proposers report a spread q
+PROMPTS = ([1, 2, 3, 4, 5, 0, 1, 2], [0, 0, 1, 0, 0, 1, 0], [5, 4, 3, 2, 1, 5, 4, 3, 2], [1, 2, 3, 1, 2, 4, 1, 2])
 SETTINGS = {"temperature-1": SamplingParams(temperature=1.0), "top-k-3": SamplingParams(temperature=1.0, top_k=3),
             "top-p-0.8": SamplingParams(temperature=0.7, top_p=0.8)}
 
