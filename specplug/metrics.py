@@ -72,6 +72,14 @@ class GenerationStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
 
     @property
+    def alpha(self) -> float | None:
+        """Per-position acceptance probability as Leviathan's formula means it: accepted / tried, where a
+        step tries positions up to its first rejection (accepted / drafted counts untried positions as
+        failures and understates it)."""
+        trials = self.accepted_tokens + sum(a < p for a, p in zip(self.step_accepted, self.step_proposed))
+        return self.accepted_tokens / trials if trials else None
+
+    @property
     def mean_acceptance_length(self) -> float | None:
         """τ: tokens emitted per target call, bonus included (1.0 without speculation)."""
         return sum(self.step_emitted) / self.target_calls if self.target_calls else None
@@ -93,7 +101,7 @@ class GenerationStats:
 
     @property
     def predicted_speedup(self) -> float | None:
-        alpha, c = self.acceptance_rate, self.draft_cost_ratio
+        alpha, c = self.alpha, self.draft_cost_ratio
         if alpha is None or c is None:
             return None
         return predicted_speedup(alpha, self.mean_gamma, c)
@@ -121,7 +129,8 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
             "target_calls": self.target_calls, "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens, "fallback_steps": self.fallback_steps,
-            "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate, "alpha": self.alpha,
+            "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance, "mean_gamma": self.mean_gamma,
             "draft_time_s": self.draft_time, "target_time_s": self.target_time, "verify_time_s": self.verify_time,
             "prefill_time_s": self.prefill_time, "wall_time_s": self.wall_time,

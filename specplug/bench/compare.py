@@ -180,7 +180,7 @@ def _report(target, runs, ours, skipped, memory, workloads, gammas, temperatures
         label, wl, t, g = key
         pooled = aggregate([r.stats for _, r in entries])
         speedups = [base_by_pair[pair].seconds_per_token / r.seconds_per_token for pair, r in entries]
-        alpha = pooled["acceptance_rate"]
+        alpha = pooled["alpha"]  # per-position, as the formula means it
         draft_per_token = pooled["draft_time_s"] / pooled["draft_tokens"] if pooled["draft_tokens"] else None
         c = draft_per_token / base_step[(wl, t)] if draft_per_token is not None and base_step[(wl, t)] else None
         predicted = predicted_speedup(alpha, pooled["mean_gamma"], c) if alpha is not None and c is not None else None
@@ -191,7 +191,8 @@ def _report(target, runs, ours, skipped, memory, workloads, gammas, temperatures
             by_sample.setdefault(pair[2], []).append(base_by_pair[pair].seconds_per_token / r.seconds_per_token)
         report["cells"].append({
             "proposer": label, "workload": wl, "temperature": t, "gamma": g, "runs": len(entries),
-            "acceptance_rate": alpha, "mean_acceptance_length": pooled["mean_acceptance_length"],
+            "acceptance_rate": pooled["acceptance_rate"], "alpha": alpha,
+            "mean_acceptance_length": pooled["mean_acceptance_length"],
             "per_position_acceptance": pooled["per_position_acceptance"], "draft_cost_ratio": c,
             "tokens_per_second": _median([r.stats.tokens_per_second for _, r in entries]),
             "speedup": measured, "predicted_speedup": predicted,
