@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from specplug.plugins.hookspecs import hookimpl
+from specplug.sampling import q_from_counts
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
 
 Q_MODES = ("point", "counts")
@@ -146,7 +147,7 @@ class NgramProposer(Proposer):
             context = context[1:] + [tok] if len(context) >= self.n_max else context + [tok]
         if greedy or all(r is None for r in rows):
             return Proposal.point_mass(tokens).to(device)  # argmax, or certain continuations: one-hot q
-        return Proposal(torch.tensor(tokens, device=device), _dense_q(rows, tokens, seq.target.vocab_size, device))
+        return Proposal(torch.tensor(tokens, device=device), q_from_counts(rows, tokens, seq.target.vocab_size, device))
 
     @staticmethod
     def _draw(follow: dict[int, int], total: int, u: float) -> int:
@@ -173,24 +174,6 @@ def _argmax_latest(follow: dict[int, int]) -> int:
         if c >= best_c:
             best, best_c = tok, c
     return best
-
-
-def _dense_q(rows, tokens: list[int], vocab_size: int, device) -> torch.Tensor:
-    """[k, V] q from sparse rows (None: a point mass at the drafted token)."""
-    r_idx, c_idx, vals = [], [], []
-    for i, (row, tok) in enumerate(zip(rows, tokens)):
-        if row is None:
-            r_idx.append(i)
-            c_idx.append(tok)
-            vals.append(1.0)
-        else:
-            ids, counts, total = row
-            r_idx.extend([i] * len(ids))
-            c_idx.extend(ids)
-            vals.extend(c / total for c in counts)
-    q = torch.zeros(len(tokens), vocab_size, dtype=torch.float32)
-    q[r_idx, c_idx] = torch.tensor(vals, dtype=torch.float32)
-    return q.to(device)
 
 
 @hookimpl

@@ -39,6 +39,7 @@ from itertools import count as _counter
 import torch
 
 from specplug.plugins.hookspecs import hookimpl
+from specplug.sampling import q_from_counts
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
 
 __all__ = ["SuffixProposer", "SuffixCache", "SuffixTree"]
@@ -578,7 +579,7 @@ class SuffixProposer(Proposer):
             return Proposal.empty(device)
         if seq.sampling.greedy or all(r is None for r in rows):
             return Proposal.point_mass(tokens).to(device)  # argmax (or a certain continuation): one-hot q
-        return Proposal(torch.tensor(tokens, device=device), _dense_q(rows, tokens, seq.target.vocab_size, device))
+        return Proposal(torch.tensor(tokens, device=device), q_from_counts(rows, tokens, seq.target.vocab_size, device))
 
     def memory_bytes(self) -> int:
         return self.cache.memory_bytes() + sum(s.memory_bytes() for s in list(self._live))
@@ -588,24 +589,6 @@ class SuffixProposer(Proposer):
         out["active_requests"] = len(self._live)
         out["memory_bytes"] = self.memory_bytes()
         return out
-
-
-def _dense_q(rows, tokens: list[int], vocab_size: int, device) -> torch.Tensor:
-    """[k, V] q from sparse rows (None: a point mass at the drafted token)."""
-    r_idx, c_idx, vals = [], [], []
-    for i, (row, tok) in enumerate(zip(rows, tokens)):
-        if row is None:
-            r_idx.append(i)
-            c_idx.append(tok)
-            vals.append(1.0)
-        else:
-            ids, counts, total = row
-            r_idx.extend([i] * len(ids))
-            c_idx.extend(ids)
-            vals.extend(c / total for c in counts)
-    q = torch.zeros(len(tokens), vocab_size, dtype=torch.float32)
-    q[r_idx, c_idx] = torch.tensor(vals, dtype=torch.float32)
-    return q.to(device)
 
 
 @hookimpl

@@ -64,3 +64,25 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
+
+
+def q_from_counts(rows, tokens: list[int], vocab_size: int, device) -> torch.Tensor:
+    """A dense [k, V] q from count rows, for frequency-based drafters (ngram counts, suffix).
+
+    ``rows[i]`` is ``(ids, counts, total)`` — q_i(ids[j]) = counts[j] / total — or None for a point mass at
+    ``tokens[i]``.
+    """
+    r_idx, c_idx, vals = [], [], []
+    for i, (row, tok) in enumerate(zip(rows, tokens)):
+        if row is None:
+            r_idx.append(i)
+            c_idx.append(tok)
+            vals.append(1.0)
+        else:
+            ids, counts, total = row
+            r_idx.extend([i] * len(ids))
+            c_idx.extend(ids)
+            vals.extend(c / total for c in counts)
+    q = torch.zeros(len(tokens), vocab_size, dtype=torch.float32)
+    q[r_idx, c_idx] = torch.tensor(vals, dtype=torch.float32)
+    return q.to(device)
