@@ -38,7 +38,7 @@ import torch
 from specplug.verifier import Proposal, ProposalError, Verdict, validate_proposal
 from specplug.verifier.rule import verify_batch
 
-from .decode import GenerationResult, SpeculationError, _cut, _prompt_ids, _proposer_name, _request_ids, _stop_hit
+from .decode import GenerationResult, SpeculationError, _emit, _prompt_ids, _proposer_name, _request_ids
 from .metrics import GenerationStats
 from .sampling import SamplingParams, processed_probs
 from .target import Target
@@ -481,13 +481,7 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
                 seq.scratch["batch_step"] = {"scored": K + 1, "draft_time": t1 - t0, "batch_size": B}
                 ask_policy(row, "update", proposals[j].k, acc, draft_times[j], t2 - t1, B)
             remaining = budgets[row.index] - len(seq.output_ids)
-            emitted, reason = _cut(verdict.tokens, remaining, eos)
-            seq.ids.extend(emitted)
-            if stop and not reason:
-                reason, cut = _stop_hit(target, seq, len(emitted), stop, max_stop)
-                if cut:
-                    del seq.ids[len(seq.ids) - cut:]
-                    emitted = emitted[: len(emitted) - cut]
+            emitted, reason = _emit(target, seq, verdict.tokens, remaining, eos, stop, max_stop)
             if row.active is not None and not fell[j]:
                 try:
                     row.active.observe(seq, verdict)

@@ -171,13 +171,7 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
         if features:
             verdict.features = {n: f[: verdict.accepted + 1] for n, f in scores.features.items()}
 
-        emitted, reason = _cut(verdict.tokens, remaining, eos)
-        seq.ids.extend(emitted)
-        if stop and not reason:
-            reason, cut = _stop_hit(target, seq, len(emitted), stop, max_stop)
-            if cut:
-                del seq.ids[len(seq.ids) - cut:]
-                emitted = emitted[: len(emitted) - cut]
+        emitted, reason = _emit(target, seq, verdict.tokens, remaining, eos, stop, max_stop)
         if active is not None and not fell_back:
             try:
                 active.observe(seq, verdict)
@@ -203,6 +197,20 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
         active.end(seq)
     stats.wall_time = time.perf_counter() - t_start
     return result()
+
+
+def _emit(target: Target, seq: SequenceState, tokens: list[int], remaining: int, eos: set[int],
+          stop: Sequence[str], max_stop: int) -> tuple[list[int], str]:
+    """Append a step's tokens to ``seq``, cut at EOS, the token budget or a stop string; return what stayed
+    and why the request ends ("" if it goes on)."""
+    emitted, reason = _cut(tokens, remaining, eos)
+    seq.ids.extend(emitted)
+    if stop and not reason:
+        reason, cut = _stop_hit(target, seq, len(emitted), stop, max_stop)
+        if cut:
+            del seq.ids[len(seq.ids) - cut:]
+            emitted = emitted[: len(emitted) - cut]
+    return emitted, reason
 
 
 def _cut(tokens: list[int], remaining: int, eos: set[int]) -> tuple[list[int], str]:
