@@ -26,13 +26,17 @@ def test_greedy_speculative_output_equals_target_only_token_for_token(name, tiny
 
 
 class CacheChecker(DraftModelProposer):
-    """After every step: the real HF cache lengths match the bookkeeping and the accepted sequence."""
+    """After every step: the real cache lengths (HF's, or every lean layer's) match the bookkeeping and the
+    accepted sequence."""
 
     def observe(self, seq, verdict):
         super().observe(seq, verdict)
         target_state, draft_state = seq.target_cache, seq.scratch[self.name]
         assert target_state.cache.get_seq_length() == target_state.length == len(seq.ids) - 1
-        assert draft_state.cache.get_seq_length() == draft_state.length
+        if self.lean is None:
+            assert draft_state.cache.get_seq_length() == draft_state.length
+        else:
+            assert {layer.length for layer in draft_state.layers} == {draft_state.length}
         if verdict.accepted < verdict.proposed:  # after a rejection the draft is exactly in step
             assert draft_state.length == len(seq.ids) - 1
         else:  # all accepted: its last draft was never fed, it catches up next step
@@ -41,8 +45,9 @@ class CacheChecker(DraftModelProposer):
         self.rejections = getattr(self, "rejections", 0) + (verdict.accepted < verdict.proposed)
 
 
-def test_caches_track_the_accepted_sequence_through_rejections(tiny_dirs, tiny_target):
-    checker = CacheChecker(target=tiny_target, model=tiny_dirs["draft"])
+@pytest.mark.parametrize("fast", [True, False], ids=["lean-draft", "hf-draft"])
+def test_caches_track_the_accepted_sequence_through_rejections(tiny_dirs, tiny_target, fast):
+    checker = CacheChecker(target=tiny_target, model=tiny_dirs["draft"], fast=fast)
     result = specplug.generate(tiny_target, checker, "def add(a, b):", max_new_tokens=60, strict=True,
                                sampling=specplug.SamplingParams(temperature=1.0, seed=3), num_speculative_tokens=4)
     assert len(result.tokens) == 60

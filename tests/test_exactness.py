@@ -24,7 +24,9 @@ SETTINGS = {
 
 
 def make(name, small_vocab_dirs, target):
-    options = {"model": small_vocab_dirs["draft"]} if name == "draft-model" else {}
+    options = {"model": small_vocab_dirs["draft"]} if name.startswith("draft-model") else {}
+    if name == "draft-model:hf":  # HF's forward instead of the lean one
+        name, options["fast"] = "draft-model", False
     return specplug.get_proposer(name, target=target, **options)
 
 
@@ -35,7 +37,7 @@ def pvalue(target, proposer, sampling, n=N_SAMPLES):
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("name", ["draft-model", "ngram"])
+@pytest.mark.parametrize("name", ["draft-model", "draft-model:hf", "ngram"])
 def test_speculative_sampling_matches_target_distribution(name, setting, small_vocab_dirs, small_target):
     assert pvalue(small_target, make(name, small_vocab_dirs, small_target), SETTINGS[setting]) > EXACTNESS_ALPHA
 

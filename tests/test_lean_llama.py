@@ -1,0 +1,81 @@
+"""The lean drafter forward: same logits as HF through prefills, single steps and rollbacks; refused (with the
+reason) wherever it could differ; and the draft-model proposer decodes the same with and without it."""
+import torch
+
+import specplug
+import specplug.lean_llama as lean_llama
+from specplug.lean_llama import lean_or_reason
+from specplug.proposers.draft_model import DraftModelProposer
+from specplug.target import KVState
+from specplug.testing import tiny_llama
+
+
+def test_lean_forward_matches_hf_through_steps_and_rollbacks(tiny_dirs):
+    draft = specplug.Target.from_pretrained(tiny_dirs["target"])  # 2 layers, grouped-query attention
+    lean, why = lean_or_reason(draft.model)
+    assert lean is not None, why
+    hf_state, cache = KVState(), lean.new_cache()
+    gen = torch.Generator().manual_seed(3)
+    chunks = [torch.randint(0, draft.vocab_size, (n,), generator=gen).tolist() for n in (9, 1, 2, 1, 3, 1, 1)]
+    for i, chunk in enumerate(chunks * 40):  # long enough to grow the preallocated cache past 256
+        want = draft.forward(hf_state, chunk).logits
+        got = lean.forward(cache, chunk, last_only=False)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        if i % 3 == 2:  # roll both back by one token, as a rejected draft does
+            draft.rollback(hf_state, hf_state.length - 1)
+            cache.crop(cache.length - 1)
+        assert cache.length == hf_state.length
+    assert cache.length > 256
+
+
+def test_lean_path_refuses_other_architectures_and_dynamic_rope(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    small = dict(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    lean, why = lean_or_reason(MistralForCausalLM(MistralConfig(**small)).eval())
+    assert lean is None and "MistralForCausalLM" in why
+    dynamic = LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    lean, why = lean_or_reason(LlamaForCausalLM(dynamic).eval())
+    assert lean is None and "dynamic" in why
+
+
+def test_lean_path_that_disagrees_with_hf_is_refused(tiny_dirs, monkeypatch):
+    draft = specplug.Target.from_pretrained(tiny_dirs["draft"])
+    monkeypatch.setattr(lean_llama, "_rotate", lambda x, cos, sin: x)  # a lean path that forgot rotary positions
+    lean, why = lean_or_reason(draft.model)
+    assert lean is None and "differ" in why
+
+
+def test_draft_model_uses_lean_path_and_decodes_as_the_hf_path(tiny_dirs, tiny_target):
+    fast = DraftModelProposer(target=tiny_target, model=tiny_dirs["draft"])
+    slow = DraftModelProposer(target=tiny_target, model=tiny_dirs["draft"], fast=False)
+    assert fast.lean is not None and slow.lean is None and slow.lean_note == "fast=False"
+    for sampling in (specplug.GREEDY, specplug.SamplingParams(temperature=1.0, seed=11)):
+        a = specplug.generate(tiny_target, fast, "def add(a, b):", max_new_tokens=40, sampling=sampling)
+        b = specplug.generate(tiny_target, slow, "def add(a, b):", max_new_tokens=40, sampling=sampling)
+        assert a.tokens == b.tokens
+        assert a.stats.accepted_tokens == b.stats.accepted_tokens
+
+
+def test_greedy_draft_reports_a_point_mass_not_a_dense_q(tiny_dirs, tiny_target):
+    proposer = DraftModelProposer(target=tiny_target, model=tiny_dirs["draft"])
+    seq = specplug.types.SequenceState(ids=tiny_target.encode("def add(a, b):"), num_prompt=5,
+                                       sampling=specplug.GREEDY, rng=torch.Generator(), target=tiny_target)
+    proposer.begin(seq)
+    proposal = proposer.propose(seq, 3)
+    assert proposal.k == 3 and proposal.q is None
+
+
+def test_non_llama_draft_falls_back_to_hf_forward_and_stays_exact_in_greedy(tmp_path, tiny_dirs, tiny_target):
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=tiny_target.vocab_size, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    AutoTokenizer.from_pretrained(tiny_dirs["tokenizer"]).save_pretrained(tmp_path / "mistral")
+    proposer = DraftModelProposer(target=tiny_target, model=tmp_path / "mistral")
+    assert proposer.lean is None and "MistralForCausalLM" in proposer.lean_note
+    spec = specplug.generate(tiny_target, proposer, "for i in", max_new_tokens=30, sampling=specplug.GREEDY)
+    plain = specplug.generate(tiny_target, None, "for i in", max_new_tokens=30, sampling=specplug.GREEDY)
+    assert spec.tokens == plain.tokens
