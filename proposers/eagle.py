@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specplug import heads, zoo
+from specplug.lean_llama import LayerCache, RopeTable, layer_step
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import processed_probs
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
@@ -117,10 +118,23 @@ class EagleHead(nn.Module):
         return self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,
                           use_cache=cache is not None, position_embeddings=cos_sin)
 
+    def step(self, features: torch.Tensor, embeds: torch.Tensor, rope: RopeTable, start: int,
+             cache: LayerCache) -> torch.Tensor:
+        """:meth:`forward` for one sequence through :mod:`specplug.lean_llama` (drafting, where HF's per-call
+        cost would dominate): features, embeds [T, h] at positions start.. -> predicted features [T, h]."""
+        x = nn.functional.linear(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias)
+        cos, sin = rope.get(start, x.shape[0])
+        return layer_step(self.layer, x, cos, sin, cache)
+
+    def new_cache(self) -> LayerCache:
+        attn = self.layer.self_attn
+        weight = attn.k_proj.weight
+        return LayerCache(weight.shape[0] // attn.head_dim, attn.head_dim, weight.device, weight.dtype)
+
 
 @dataclass
 class _State:
-    cache: KVCache = field(default_factory=KVCache)
+    cache: LayerCache
     base: int = 0        # position of the head's first entry (0 when the prompt's features were computed)
     fed: int = 0         # positions base..fed-1 have entries in the cache (built from verified features)
     known: int = 0       # verified target features exist for positions < known (those >= fed are pending)
@@ -165,6 +179,7 @@ class EagleProposer(Proposer):
         self.head = module.to(device=target.device, dtype=target.dtype).eval()
         for p in self.head.parameters():
             p.requires_grad_(False)
+        self.rope = RopeTable(self.head.rotary, target.device, target.dtype)
 
     # --- per-sequence state ----------------------------------------------------------------------
     def _state(self, seq: SequenceState) -> _State:
@@ -181,14 +196,14 @@ class EagleProposer(Proposer):
                              f"not {seq.target.name!r}")
         n = len(seq.ids)
         if not full:
-            return _State(base=n - 1, fed=n - 1, known=n - 1)
+            return _State(self.head.new_cache(), base=n - 1, fed=n - 1, known=n - 1)
         # a loop that prefills with features may hand them over (seq.prompt_features); else one extra forward
         given = (getattr(seq, "prompt_features", None) or {}).get("last")
         if given is not None and given.shape[0] == n - 1 and n - 1 == seq.num_prompt - 1:
             feats = given
         else:
             feats = heads.prefix_features(seq.target, seq.ids[: n - 1])
-        return _State(base=0, fed=0, known=n - 1, pending=[feats] if n > 1 else [])
+        return _State(self.head.new_cache(), base=0, fed=0, known=n - 1, pending=[feats] if n > 1 else [])
 
     def begin(self, seq: SequenceState) -> None:
         seq.scratch[self.name] = self._fresh(seq, full=self.prompt_features)
@@ -206,21 +221,23 @@ class EagleProposer(Proposer):
             feats = torch.cat(st.pending).to(device=device, dtype=self.head.fc.weight.dtype)
             start = st.fed
             tokens = torch.tensor(seq.ids[start + 1: n], device=device)
-            pos = torch.arange(start, n - 1, device=device)
-            f_hat = self.head(feats[None], emb(tokens)[None], pos[None], st.cache)[0, -1]
+            f_hat = self.head.step(feats, emb(tokens), self.rope, start, st.cache)[-1]
             st.fed, st.pending = n - 1, []
             drafted, q_rows = [], []
             for j in range(k):
-                q = processed_probs(lm_head(f_hat), seq.sampling)
-                token = int(torch.multinomial(q, 1, generator=seq.rng))
+                logits = lm_head(f_hat)
+                if seq.sampling.greedy:  # q is the point mass at the argmax
+                    token = int(logits.float().argmax())
+                else:
+                    q = processed_probs(logits, seq.sampling)
+                    token = int(torch.multinomial(q, 1, generator=seq.rng))
+                    q_rows.append(q)
                 drafted.append(token)
-                q_rows.append(q)
                 if j + 1 < k:
-                    tok = torch.tensor([[token]], device=device)
-                    f_hat = self.head(f_hat[None, None], emb(tok), torch.tensor([[n - 1 + j]], device=device),
-                                      st.cache)[0, -1]
+                    tok = torch.tensor([token], device=device)
+                    f_hat = self.head.step(f_hat[None], emb(tok), self.rope, n - 1 + j, st.cache)[-1]
             st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
-        return Proposal(torch.tensor(drafted, device=device), torch.stack(q_rows))
+        return Proposal(torch.tensor(drafted, device=device), torch.stack(q_rows) if q_rows else None)
 
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:
         st = self._state(seq)
