@@ -184,6 +184,11 @@ def _report(target, runs, ours, skipped, memory, workloads, gammas, temperatures
         draft_per_token = pooled["draft_time_s"] / pooled["draft_tokens"] if pooled["draft_tokens"] else None
         c = draft_per_token / base_step[(wl, t)] if draft_per_token is not None and base_step[(wl, t)] else None
         predicted = predicted_speedup(alpha, pooled["mean_gamma"], c) if alpha is not None and c is not None else None
+        # the verify pass scores γ + 1 tokens: its cost in baseline steps, measured in this very cell
+        verify_cost = (pooled["target_time_s"] / pooled["target_calls"] / base_step[(wl, t)]
+                       if pooled["target_calls"] and base_step[(wl, t)] else None)
+        predicted_v = (predicted_speedup(alpha, pooled["mean_gamma"], c, verify_cost)
+                       if predicted is not None and verify_cost is not None else None)
         measured = _median(speedups)
         greedy_equal = (all(r.tokens == base_by_pair[pair].tokens for pair, r in entries) if t == 0 else None)
         by_sample = {}
@@ -197,6 +202,8 @@ def _report(target, runs, ours, skipped, memory, workloads, gammas, temperatures
             "tokens_per_second": _median([r.stats.tokens_per_second for _, r in entries]),
             "speedup": measured, "predicted_speedup": predicted,
             "measured_over_predicted": measured / predicted if measured and predicted else None,
+            "verify_cost": verify_cost, "predicted_speedup_with_verify_cost": predicted_v,
+            "measured_over_predicted_with_verify_cost": measured / predicted_v if measured and predicted_v else None,
             "speedup_by_sample": [_median(by_sample[i]) for i in sorted(by_sample)],
             "token_latency_p50_s": pooled["token_latency_p50_s"], "token_latency_p99_s": pooled["token_latency_p99_s"],
             "time_to_finish_p50_s": pooled["time_to_finish_p50_s"], "time_to_finish_p90_s": pooled["time_to_finish_p90_s"],

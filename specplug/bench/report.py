@@ -21,22 +21,23 @@ def tables(report: dict) -> list:
 
     t = Table(title=f"specplug compare — target {report['target']['name']}, "
                     f"{report['settings']['max_new_tokens']} new tokens")
-    columns = ["proposer", "workload", "T", "γ", "α", "tok/call", "c", "tok/s", "speed-up", "predicted",
-               "meas/pred", "p50 ms", "p99 ms", "greedy ="] + (["by sample"] if repeated else [])
+    columns = ["proposer", "workload", "T", "γ", "α", "tok/call", "c", "v", "tok/s", "speed-up", "predicted",
+               "meas/pred", "meas/pred·v", "p50 ms", "p99 ms", "greedy ="] + (["by sample"] if repeated else [])
     for col in columns:
         t.add_column(col, justify="left" if col in ("proposer", "workload") else "right", no_wrap=True)
     rows = []
     for b in report["baseline"]:
-        rows.append(["target-only", b["workload"], _fmt(b["temperature"], "g"), "0", "-", "1.00", "-",
-                     _fmt(b["tokens_per_second"], ".1f"), "1.00", "-", "-", _fmt(b["token_latency_p50_s"] * 1e3, ".1f"),
+        rows.append(["target-only", b["workload"], _fmt(b["temperature"], "g"), "0", "-", "1.00", "-", "1.00",
+                     _fmt(b["tokens_per_second"], ".1f"), "1.00", "-", "-", "-", _fmt(b["token_latency_p50_s"] * 1e3, ".1f"),
                      _fmt(b["token_latency_p99_s"] * 1e3, ".1f"), "-", "-"])
     for c in sorted(report["cells"], key=lambda c: (c["workload"], c["temperature"], c["proposer"], c["gamma"])):
         equal = {None: "-", True: "yes", False: "NO"}[c["greedy_equal_to_target_only"]]
         by_sample = " ".join(_fmt(v) for v in c["speedup_by_sample"]) if len(c["speedup_by_sample"]) > 1 else "-"
         rows.append([c["proposer"], c["workload"], _fmt(c["temperature"], "g"), str(c["gamma"]),
                      _fmt(c["acceptance_rate"]), _fmt(c["mean_acceptance_length"]), _fmt(c["draft_cost_ratio"], ".3f"),
-                     _fmt(c["tokens_per_second"], ".1f"), _fmt(c["speedup"]), _fmt(c["predicted_speedup"]),
-                     _fmt(c["measured_over_predicted"]), _fmt(c["token_latency_p50_s"] * 1e3, ".1f"),
+                     _fmt(c["verify_cost"]), _fmt(c["tokens_per_second"], ".1f"), _fmt(c["speedup"]),
+                     _fmt(c["predicted_speedup"]), _fmt(c["measured_over_predicted"]),
+                     _fmt(c["measured_over_predicted_with_verify_cost"]), _fmt(c["token_latency_p50_s"] * 1e3, ".1f"),
                      _fmt(c["token_latency_p99_s"] * 1e3, ".1f"), equal, by_sample])
     for row in rows:
         t.add_row(*row[: len(columns)])
@@ -112,13 +113,19 @@ def figures(report: dict) -> dict[str, str]:
     out["latency_distribution"] = _png(fig)
 
     fig, ax = plt.subplots(figsize=(5, 5))
-    pts = [(c["predicted_speedup"], c["speedup"], c["proposer"]) for c in cells
-           if c["predicted_speedup"] is not None and c["speedup"] is not None]
-    for prop in sorted({p for _, _, p in pts}):
-        ax.scatter([x for x, _, p in pts if p == prop], [y for _, y, p in pts if p == prop], label=prop)
-    hi = max([1.0] + [max(x, y) for x, y, _ in pts]) * 1.1
+    pts = [(c["predicted_speedup"], c["predicted_speedup_with_verify_cost"], c["speedup"], c["proposer"])
+           for c in cells if c["predicted_speedup"] is not None and c["speedup"] is not None]
+    for i, prop in enumerate(sorted({p for *_, p in pts})):
+        mine = [pt for pt in pts if pt[3] == prop]
+        color = f"C{i % 10}"
+        ax.scatter([x for x, _, _, _ in mine], [y for _, _, y, _ in mine], color=color, label=f"{prop} (v = 1)")
+        with_v = [(x, y) for _, x, y, _ in mine if x is not None]
+        ax.scatter([x for x, _ in with_v], [y for _, y in with_v], color=color, marker="x",
+                   label=f"{prop} (measured v)")
+    hi = max([1.0] + [max(x, y) for x, _, y, _ in pts]) * 1.1
     ax.plot([0, hi], [0, hi], color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="predicted (Leviathan, measured α and c)", ylabel="measured speed-up", xlim=(0, hi), ylim=(0, hi),
+    ax.set(xlabel="predicted (Leviathan, measured α and c; v = verify cost)", ylabel="measured speed-up",
+           xlim=(0, hi), ylim=(0, hi),
            title="Measured vs predicted speed-up")
     ax.legend(fontsize=7)
     out["measured_vs_predicted"] = _png(fig)
@@ -141,7 +148,9 @@ def write_html(report: dict, path) -> None:
 figure{{display:inline-block;margin:0.5em}} img{{max-width:560px}}</style></head><body>
 <h1>specplug compare — {html.escape(report['target']['name'])}</h1>
 <p>Speed-ups are medians of paired runs against target-only decoding in the same run (interleaved).
-c = drafting time per drafted token / target step time; predicted = (1 − α<sup>γ+1</sup>) / ((1 − α)(γc + 1)).</p>
+c = drafting time per drafted token / target step time; predicted = (1 − α<sup>γ+1</sup>) / ((1 − α)(γc + 1)) (Leviathan et al.).
+v = the target's scoring pass over γ + 1 tokens in target-only steps, measured in the same cell; the formula
+assumes v = 1, and meas/pred·v uses (γc + v) instead, so it shows what the decode loop itself loses.</p>
 <h2>Settings</h2><pre>{html.escape(json.dumps({k: report[k] for k in ('settings', 'machine', 'target')}, indent=1))}</pre>
 <h2>Skipped proposers</h2><ul>{skipped}</ul>
 <h2>Results</h2><pre>{html.escape(console.export_text())}</pre>
