@@ -240,8 +240,9 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
     callable ``seq -> k``, or a list of those, one per row. One policy object shared by every row may instead
     have ``choose_batch(seqs, max_ks) -> list[int]`` to pick all rows' k together (a step costs the longest
     draft); ``seq.scratch["batch_size"]`` holds the current batch size before each choice, and before ``update``
-    ``seq.scratch["batch_step"]`` holds the step's positions scored per row (K + 1), its total drafting
-    time and batch size. ``max_batch_size`` caps the rows decoded together;
+    ``seq.scratch["batch_step"]`` holds the step's costs (one dict per step, shared by its rows): positions
+    scored per row ``scored`` (K + 1), tokens ``drafted`` by all rows, ``draft_time`` (all rows' drafting),
+    ``verify_time`` (the forward and the rule) and ``batch_size``. ``max_batch_size`` caps the rows decoded together;
     the others wait and join as rows finish. ``callback(row, tokens)`` receives each row's emitted tokens.
 
     Proposers are called per row (``propose(seq, k)`` with that row's SequenceState), unless the proposer has
@@ -466,6 +467,10 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
         t3 = time.perf_counter()
         accepted_list = accepted.tolist()
         tokens_list = verdicts.tokens.tolist()
+        # what the whole step cost, for batch-aware policies: every row waits for all the drafting, and the
+        # forward scores K + 1 positions for every row whatever each proposed (one dict per step)
+        step_info = {"scored": K + 1, "drafted": int(lengths.sum()), "draft_time": t1 - t0,
+                     "verify_time": t3 - t1, "batch_size": B}
 
         # --- per-row bookkeeping -----------------------------------------------------------------------
         done: list[int] = []
@@ -476,9 +481,7 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
             if features:
                 verdict.features = _pick_features(out, features, j, acc + 1)
             if row.active is not None and not isinstance(row.gamma, int):
-                # what the whole step cost, for batch-aware policies: every row waits for all the drafting
-                # and the forward scores K + 1 positions for every row, whatever this row proposed
-                seq.scratch["batch_step"] = {"scored": K + 1, "draft_time": t1 - t0, "batch_size": B}
+                seq.scratch["batch_step"] = step_info
                 ask_policy(row, "update", proposals[j].k, acc, draft_times[j], t2 - t1, B)
             remaining = budgets[row.index] - len(seq.output_ids)
             emitted, reason = _emit(target, seq, verdict.tokens, remaining, eos, stop, max_stop)

@@ -75,8 +75,10 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 @dataclass
 class MeasuredCosts:
-    """Online cost estimates: drafting time per token, and scoring time as a function of tokens scored and
-    batch size (an exponentially weighted mean per (n, batch), a least-squares line in n elsewhere)."""
+    """Online cost estimates: drafting time per drafted token (one row's), and scoring time as a function of
+    tokens scored per row n and batch size B: an exponentially weighted mean per measured (n, B); elsewhere a
+    line in n at that B, or a bilinear fit a + b·n + c·B + d·n·B over every measured point. ``None`` when
+    nothing supports an estimate yet (the policy then measures instead of guessing)."""
 
     decay: float = 0.8
     draft_per_token: float | None = None
@@ -84,6 +86,8 @@ class MeasuredCosts:
 
     def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int,
                 scored: int | None = None) -> None:
+        """``proposed`` tokens took ``draft_time`` to draft; scoring ``scored`` (default proposed + 1) tokens per
+        row for ``batch_size`` rows took ``verify_time``."""
         if proposed:
             per = draft_time / proposed
             self.draft_per_token = per if self.draft_per_token is None else _ewma(self.draft_per_token, per, self.decay)
@@ -96,16 +100,16 @@ class MeasuredCosts:
     def verify_time(self, n: int, batch_size: int) -> float | None:
         if (n, batch_size) in self.verify:
             return self.verify[(n, batch_size)]
-        points = [(m, t) for (m, b), t in self.verify.items() if b == batch_size] or \
-                 [(m, t) for (m, b), t in self.verify.items()]
-        if not points:
-            return None
-        if len({m for m, _ in points}) < 2:
-            # one size seen: scoring more tokens costs a little more (measured ~+4% a token on CPU)
-            m, t = points[0]
-            return t * (1 + 0.04 * (n - m))
-        slope, intercept = np.polyfit([m for m, _ in points], [t for _, t in points], 1)
-        return max(float(intercept + slope * n), 1e-9)
+        here = [(m, t) for (m, b), t in self.verify.items() if b == batch_size]
+        if len({m for m, _ in here}) >= 2:
+            slope, intercept = np.polyfit([m for m, _ in here], [t for _, t in here], 1)
+            return max(float(intercept + slope * n), 1e-9)
+        points = [(m, b, t) for (m, b), t in self.verify.items()]
+        if len(points) >= 4 and len({m for m, _, _ in points}) >= 2 and len({b for _, b, _ in points}) >= 2:
+            design = np.array([[1.0, m, b, m * b] for m, b, _ in points])
+            coef, *_ = np.linalg.lstsq(design, np.array([t for *_, t in points]), rcond=None)
+            return max(float(coef @ np.array([1.0, n, batch_size, n * batch_size])), 1e-9)
+        return None
 
 
 def _ewma(old: float, new: float, decay: float) -> float:
@@ -116,8 +120,11 @@ class CostModelPolicy(GammaPolicy):
     """Choose k in 0..max_gamma maximising expected_tokens(α, k) / (draft_time(k) + verify_time(k + 1)).
 
     α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
-    After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
-    noticed. ``costs`` may be replaced (tests use a controlled one).
+    Costs are measured, never assumed: at a batch size with no estimate it first runs a plain step (k = 0),
+    then a full draft, then decides. After ``probe_every`` steps at k = 0 it drafts one token once, so a
+    proposer that starts paying again is noticed. In a batch (``choose_batch``) it picks one k for the step,
+    maximising the tokens all rows emit per second of the step, since every row waits for the longest draft
+    and all drafting. ``costs`` may be replaced (tests use a controlled one).
     """
 
     name = "cost-model"
@@ -127,6 +134,8 @@ class CostModelPolicy(GammaPolicy):
         self.max_gamma, self.decay, self.prior_alpha, self.probe_every = max_gamma, decay, prior_alpha, probe_every
         self.costs = costs or MeasuredCosts(decay)
         self.alpha_by_proposer: dict[str, float] = {}
+        self._batch_idle = 0
+        self._last_step: dict | None = None
 
     def _state(self, seq) -> dict:
         key = f"policy:{self.name}"
@@ -136,17 +145,30 @@ class CostModelPolicy(GammaPolicy):
             seq.scratch[key] = {"successes": prior, "trials": 1.0, "idle": 0}
         return seq.scratch[key]
 
+    def _alpha(self, seq) -> float:
+        state = self._state(seq)
+        return state["successes"] / state["trials"]
+
     def begin(self, seq):
         self._state(seq)
 
     def best_k(self, alpha: float, max_k: int, batch_size: int = 1) -> int:
-        base = self.costs.verify_time(1, batch_size)
-        if base is None:
-            return min(self.max_gamma, max_k)  # nothing measured yet: draft, and measure
+        return self._best([alpha], [max_k], batch_size)
+
+    def _best(self, alphas: list[float], max_ks: list[int], batch_size: int) -> int:
+        """The k (capped per row by max_ks) maximising the rows' expected tokens per second of one step."""
+        cap = min(self.max_gamma, max(max_ks))
+        if cap <= 0:
+            return 0
+        if self.costs.verify_time(1, batch_size) is None:
+            return 0  # measure a plain step at this load first
+        if self.costs.verify_time(cap + 1, batch_size) is None:
+            return cap  # then a full draft
         rates = []
-        for k in range(0, min(self.max_gamma, max_k) + 1):
-            verify = self.costs.verify_time(k + 1, batch_size) or base
-            rates.append(expected_tokens(alpha, k) / (self.costs.draft_time(k) + verify))
+        for k in range(cap + 1):
+            ks = [min(k, m) for m in max_ks]
+            tokens = sum(expected_tokens(a, kr) for a, kr in zip(alphas, ks))
+            rates.append(tokens / (self.costs.draft_time(sum(ks)) + self.costs.verify_time(max(ks) + 1, batch_size)))
         # the smallest k within 1% of the best: measured costs are noisy, and drafting that buys nothing
         # should not win a tie
         best = max(rates)
@@ -154,7 +176,7 @@ class CostModelPolicy(GammaPolicy):
 
     def choose(self, seq, max_k):
         state = self._state(seq)
-        k = self.best_k(state["successes"] / state["trials"], max_k, seq.scratch.get("batch_size", 1))
+        k = self.best_k(self._alpha(seq), max_k, seq.scratch.get("batch_size", 1))
         if k == 0:
             state["idle"] += 1
             if state["idle"] >= self.probe_every and max_k > 0:
@@ -162,10 +184,22 @@ class CostModelPolicy(GammaPolicy):
                 return 1
         return k
 
+    def choose_batch(self, seqs, max_ks):
+        """One k for the whole step (each row capped by its own max_k)."""
+        k = self._best([self._alpha(s) for s in seqs], list(max_ks), len(seqs))
+        if k == 0 and max(max_ks) > 0:
+            self._batch_idle += 1
+            if self._batch_idle >= self.probe_every:
+                self._batch_idle, k = 0, 1
+        return [min(k, m) for m in max_ks]
+
     def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
         step = seq.scratch.get("batch_step")
-        if step:  # in a batch the step scored the longest draft and waited for every row's drafting
-            self.costs.observe(proposed, step["draft_time"], verify_time, step["batch_size"], step["scored"])
+        if step:  # in a batch: the step's costs once (every row reports the same step)
+            if step is not self._last_step:
+                self._last_step = step
+                self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
+                                   step["scored"])
         else:
             self.costs.observe(proposed, draft_time, verify_time, batch_size)
         if proposed == 0:

@@ -115,3 +115,56 @@ def test_a_policy_crash_is_a_clear_error_naming_it(tiny_dirs, tiny_target):
     with pytest.raises(specplug.SpeculationError, match="policy 'crashy': choose\\(\\) raised") as info:
         specplug.generate(tiny_target, proposer, "def add(a, b):", max_new_tokens=20, num_speculative_tokens=Crashing())
     assert info.value.culprit == "crashy" and len(info.value.partial.tokens) >= 3
+
+
+def test_cost_model_measures_a_plain_step_and_a_full_draft_before_it_decides(tiny_target):
+    policy = CostModelPolicy(max_gamma=6)
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    assert policy.choose(seq, 8) == 0  # nothing measured at batch size 1: a plain step first
+    policy.update(seq, 0, 0, 0.0, 0.010)
+    assert policy.choose(seq, 8) == 6  # then a full draft
+    for _ in range(10):
+        policy.update(seq, 6, 6, 0.006, 0.012)  # cheap drafts, all accepted
+    assert policy.choose(seq, 8) == 6
+
+
+class BatchCosts(MeasuredCosts):
+    """Scoring cost grows with every token in the batch (compute-bound): 10 ms + slope·n·B; drafting 0.1 ms
+    a token per row."""
+
+    def __init__(self, slope):
+        super().__init__()
+        self.slope = slope
+
+    def observe(self, *args):
+        pass
+
+    def draft_time(self, k):
+        return 0.0001 * k
+
+    def verify_time(self, n, batch_size):
+        return 0.010 + self.slope * n * batch_size
+
+
+@pytest.mark.parametrize("slope, expect_speculation", [(0.0001, True), (0.004, False)])
+def test_cost_model_batch_choice_follows_the_scoring_cost_of_the_batch(tiny_target, slope, expect_speculation):
+    policy = CostModelPolicy(max_gamma=8, costs=BatchCosts(slope), probe_every=1000)
+    seqs = [seq_state(tiny_target) for _ in range(8)]
+    for seq in seqs:
+        policy.begin(seq)
+        for _ in range(10):
+            policy.update(seq, 4, 3, 0.004, 0.013)  # α ≈ 0.75 in every row
+    ks = policy.choose_batch(seqs, [8, 8, 8, 8, 8, 8, 8, 2])
+    assert len(set(ks[:7])) == 1 and ks[7] == min(ks[0], 2)  # one k for the step, capped per row
+    assert (ks[0] > 0) == expect_speculation
+
+
+def test_measured_costs_estimate_unseen_batch_sizes_from_a_bilinear_fit():
+    costs = MeasuredCosts()
+    truth = lambda n, b: 0.008 + 0.0003 * n + 0.001 * b + 0.0002 * n * b
+    for n, b in [(1, 1), (5, 1), (1, 4), (5, 4), (3, 8)]:
+        costs.observe(n - 1, 0.0, truth(n, b), b)
+    assert costs.verify_time(3, 2) == pytest.approx(truth(3, 2), rel=1e-6)
+    assert costs.verify_time(2, 4) == pytest.approx(truth(2, 4), rel=1e-6)  # a line in n at a measured B
+    assert MeasuredCosts().verify_time(1, 1) is None  # nothing measured: no guess
