@@ -62,8 +62,8 @@ class Target:
 
     def __init__(self, model, tokenizer=None, name: str | None = None, few_rows_linear: bool = True):
         """``few_rows_linear``: on CPU in float32, route the model's linear layers through
-        :mod:`specplug.few_rows` for 2-16 rows (the verify pass), a BLAS quirk otherwise makes scoring 3 tokens
-        cost 1.6 one-token steps. It changes the given model's modules in place; one-row steps are untouched."""
+        :mod:`specplug.few_rows` for 1-16 rows (a decoding step, a verify pass): a BLAS quirk otherwise makes
+        scoring 3 tokens cost 1.6 one-token steps. It changes the given model's modules in place."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
