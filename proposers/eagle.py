@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from specplug import heads, zoo
-from specplug.lean_llama import LayerCache, RopeTable, layer_step
+from specplug import few_rows, heads, zoo
+from specplug.lean_llama import LayerCache, LeanLayer, RopeTable
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import processed_probs
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
@@ -118,19 +118,6 @@ class EagleHead(nn.Module):
         return self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,
                           use_cache=cache is not None, position_embeddings=cos_sin)
 
-    def step(self, features: torch.Tensor, embeds: torch.Tensor, rope: RopeTable, start: int,
-             cache: LayerCache) -> torch.Tensor:
-        """:meth:`forward` for one sequence through :mod:`specplug.lean_llama` (drafting, where HF's per-call
-        cost would dominate): features, embeds [T, h] at positions start.. -> predicted features [T, h]."""
-        x = nn.functional.linear(torch.cat([embeds, features], dim=-1), self.fc.weight, self.fc.bias)
-        cos, sin = rope.get(start, x.shape[0])
-        return layer_step(self.layer, x, cos, sin, cache)
-
-    def new_cache(self) -> LayerCache:
-        attn = self.layer.self_attn
-        weight = attn.k_proj.weight
-        return LayerCache(weight.shape[0] // attn.head_dim, attn.head_dim, weight.device, weight.dtype)
-
 
 @dataclass
 class _State:
@@ -179,6 +166,9 @@ class EagleProposer(Proposer):
         self.head = module.to(device=target.device, dtype=target.dtype).eval()
         for p in self.head.parameters():
             p.requires_grad_(False)
+        few_rows.install(self.head)  # one-row drafting steps: see specplug.few_rows (the target has it too)
+        # drafting runs the head's layer through specplug.lean_llama: HF's per-call cost would dominate
+        self.lean_layer = LeanLayer(self.head.layer)
         self.rope = RopeTable(self.head.rotary, target.device, target.dtype)
 
     # --- per-sequence state ----------------------------------------------------------------------
@@ -196,17 +186,23 @@ class EagleProposer(Proposer):
                              f"not {seq.target.name!r}")
         n = len(seq.ids)
         if not full:
-            return _State(self.head.new_cache(), base=n - 1, fed=n - 1, known=n - 1)
+            return _State(self.lean_layer.new_cache(), base=n - 1, fed=n - 1, known=n - 1)
         # a loop that prefills with features may hand them over (seq.prompt_features); else one extra forward
         given = (getattr(seq, "prompt_features", None) or {}).get("last")
         if given is not None and given.shape[0] == n - 1 and n - 1 == seq.num_prompt - 1:
             feats = given
         else:
             feats = heads.prefix_features(seq.target, seq.ids[: n - 1])
-        return _State(self.head.new_cache(), base=0, fed=0, known=n - 1, pending=[feats] if n > 1 else [])
+        return _State(self.lean_layer.new_cache(), base=0, fed=0, known=n - 1, pending=[feats] if n > 1 else [])
 
     def begin(self, seq: SequenceState) -> None:
         seq.scratch[self.name] = self._fresh(seq, full=self.prompt_features)
+
+    def _step(self, features: torch.Tensor, embeds: torch.Tensor, start: int, cache: LayerCache) -> torch.Tensor:
+        """The head's forward for one sequence: features, embeds [T, h] at positions start.. -> f^ [T, h]."""
+        x = self.head.fc(torch.cat([embeds, features], dim=-1))
+        cos, sin = self.rope.get(start, x.shape[0])
+        return self.lean_layer(x, cos, sin, cache)
 
     def propose(self, seq: SequenceState, k: int) -> Proposal:
         device = seq.target.device
@@ -221,7 +217,7 @@ class EagleProposer(Proposer):
             feats = torch.cat(st.pending).to(device=device, dtype=self.head.fc.weight.dtype)
             start = st.fed
             tokens = torch.tensor(seq.ids[start + 1: n], device=device)
-            f_hat = self.head.step(feats, emb(tokens), self.rope, start, st.cache)[-1]
+            f_hat = self._step(feats, emb(tokens), start, st.cache)[-1]
             st.fed, st.pending = n - 1, []
             drafted, q_rows = [], []
             for j in range(k):
@@ -235,7 +231,7 @@ class EagleProposer(Proposer):
                 drafted.append(token)
                 if j + 1 < k:
                     tok = torch.tensor([token], device=device)
-                    f_hat = self.head.step(f_hat[None], emb(tok), self.rope, n - 1 + j, st.cache)[-1]
+                    f_hat = self._step(f_hat[None], emb(tok), n - 1 + j, st.cache)[-1]
             st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
         return Proposal(torch.tensor(drafted, device=device), torch.stack(q_rows) if q_rows else None)
 

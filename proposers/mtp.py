@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specplug import heads, zoo
+from specplug import few_rows, heads, zoo
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import processed_probs
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
@@ -152,6 +152,7 @@ class MTPProposer(Proposer):
         self.heads = module.to(device=target.device, dtype=target.dtype).eval()
         for p in self.heads.parameters():
             p.requires_grad_(False)
+        few_rows.install(self.heads)  # see specplug.few_rows (the target's LM head has it too)
 
     def _check_target(self, seq: SequenceState) -> None:
         if seq.target.model is not self.target.model:

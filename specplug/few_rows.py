@@ -18,17 +18,22 @@ import torch.nn.functional as F
 MAX_ROWS = 16  # beyond this the two forms cost the same (measured up to 144 rows)
 
 
-def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through ``weight @ xᵀ`` for 1..MAX_ROWS rows of CPU float32."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows <= MAX_ROWS:
-        return F.linear(x, self.weight, self.bias)
+    if not 0 < rows <= MAX_ROWS or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     if rows == 1:  # a one-row product takes BLAS's matrix-vector path, slower still: pad to two rows
         flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
-    y = torch.mm(self.weight, flat.T).T[:rows].contiguous()
-    if self.bias is not None:
-        y = y + self.bias
-    return y.reshape(*x.shape[:-1], self.weight.shape[0])
+    y = torch.mm(weight, flat.T).T[:rows].contiguous()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
 
 
 def install(model: torch.nn.Module) -> int:

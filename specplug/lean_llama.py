@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import few_rows
+
 # Rotary variants whose cos/sin depend only on the position (a "dynamic" one rescales with sequence length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -60,11 +62,11 @@ class LayerCache:
 
 
 def _rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    """HF's LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    """HF's LlamaRMSNorm (normalise in float32, cast back, scale) in one fused op where x is float32."""
     eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return norm.weight * xf.to(x.dtype)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, eps)
+    return norm.weight * F.rms_norm(x.float(), norm.weight.shape, eps=eps).to(x.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -73,28 +75,54 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def layer_step(layer: torch.nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               cache: LayerCache) -> torch.Tensor:
-    """One HF ``LlamaDecoderLayer`` over T new positions ``x`` [T, h] that follow ``cache.length`` cached ones."""
-    attn, mlp = layer.self_attn, layer.mlp
-    T, d = x.shape[0], attn.head_dim
-    start = cache.length
-    h = _rms_norm(x, layer.input_layernorm)
-    q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(T, -1, d).transpose(0, 1)
-    k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(T, -1, d).transpose(0, 1)
-    v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(T, -1, d).transpose(0, 1)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    keys, values = cache.append(k, v)
-    mask = None
-    if T > 1:  # query i sits at start + i and may see keys 0..start + i
-        mask = torch.arange(start + T, device=x.device)[None] <= torch.arange(start, start + T, device=x.device)[:, None]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                         enable_gqa=q.shape[0] != keys.shape[0])
-    x = x + F.linear(out.transpose(0, 1).reshape(T, -1), attn.o_proj.weight, attn.o_proj.bias)
-    h = _rms_norm(x, layer.post_attention_layernorm)
-    gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-    up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-    return x + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+def _fuse(first: torch.nn.Linear, *rest: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input, so a step makes one product.
+
+    The modules' weights become views into it: nothing is duplicated, and HF's own forward still works."""
+    layers = (first, *rest)
+    weight = torch.cat([m.weight.detach() for m in layers])
+    bias = None if first.bias is None else torch.cat([m.bias.detach() for m in layers])
+    at = 0
+    for m in layers:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[at:at + n], requires_grad=False)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[at:at + n], requires_grad=False)
+        at += n
+    return weight, bias
+
+
+class LeanLayer:
+    """An HF ``LlamaDecoderLayer`` run for one sequence: q/k/v and gate/up each as one product."""
+
+    def __init__(self, layer: torch.nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer, self.head_dim, self.scaling = layer, attn.head_dim, attn.scaling
+        self.heads = attn.q_proj.weight.shape[0] // attn.head_dim
+        self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+        self.inter = mlp.gate_proj.weight.shape[0]
+        self.qkv = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.gate_up = _fuse(mlp.gate_proj, mlp.up_proj)
+
+    def new_cache(self) -> LayerCache:
+        w = self.qkv[0]
+        return LayerCache(self.kv_heads, self.head_dim, w.device, w.dtype)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """x [T, h]: T new positions after ``cache.length`` cached ones; cos/sin [T, head_dim] of their positions."""
+        layer, H, G, d = self.layer, self.heads, self.kv_heads, self.head_dim
+        T, start = x.shape[0], cache.length
+        qkv = few_rows.linear(_rms_norm(x, layer.input_layernorm), *self.qkv).view(T, H + 2 * G, d)
+        qk = _rotate(qkv[:, : H + G], cos[:, None], sin[:, None])  # rotary on q and k at once
+        q, k, v = qk[:, :H].transpose(0, 1), qk[:, H:].transpose(0, 1), qkv[:, H + G:].transpose(0, 1)
+        keys, values = cache.append(k, v)
+        mask = None
+        if T > 1:  # query i sits at start + i and may see keys 0..start + i
+            mask = torch.arange(start + T, device=x.device)[None] <= torch.arange(start, start + T, device=x.device)[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=H != G)
+        x = x + layer.self_attn.o_proj(out.transpose(0, 1).reshape(T, -1))
+        gate, up = few_rows.linear(_rms_norm(x, layer.post_attention_layernorm), *self.gate_up).split(self.inter, -1)
+        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 
 class LeanCache:
@@ -120,13 +148,10 @@ class LeanLlama:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.rope = RopeTable(model.model.rotary_emb, self.device, self.dtype)
-        cfg = model.config
-        self.kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
-        self.head_dim = model.model.layers[0].self_attn.head_dim
+        self.layers = [LeanLayer(layer) for layer in model.model.layers]
 
     def new_cache(self) -> LeanCache:
-        return LeanCache([LayerCache(self.kv_heads, self.head_dim, self.device, self.dtype)
-                          for _ in self.model.model.layers])
+        return LeanCache([layer.new_cache() for layer in self.layers])
 
     def forward(self, cache: LeanCache, tokens: list[int] | torch.Tensor, last_only: bool = True) -> torch.Tensor:
         """Logits [V] of the last token (or [T, V] of all) after running ``tokens`` past the cached ones."""
@@ -134,8 +159,8 @@ class LeanLlama:
         with torch.inference_mode():
             x = self.model.model.embed_tokens(ids)
             cos, sin = self.rope.get(cache.length, ids.shape[0])
-            for layer, layer_cache in zip(self.model.model.layers, cache.layers):
-                x = layer_step(layer, x, cos, sin, layer_cache)
+            for layer, layer_cache in zip(self.layers, cache.layers):
+                x = layer(x, cos, sin, layer_cache)
             if last_only:
                 x = x[-1]
             return self.model.lm_head(_rms_norm(x, self.model.model.norm))
