@@ -82,6 +82,7 @@ class MeasuredCosts:
 
     decay: float = 0.8
     draft_per_token: float | None = None
+    best_draft_per_token: float | None = None
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int,
@@ -90,7 +91,12 @@ class MeasuredCosts:
         row for ``batch_size`` rows took ``verify_time``."""
         if proposed:
             per = draft_time / proposed
+            # a step that also caught up on a backlog (the prompt, tokens emitted while speculation was off)
+            # is not what drafting costs: clip at twice the best per-token time seen
+            self.best_draft_per_token = min(per, self.best_draft_per_token or per)
+            per = min(per, 2 * self.best_draft_per_token)
             self.draft_per_token = per if self.draft_per_token is None else _ewma(self.draft_per_token, per, self.decay)
+            self.draft_per_token = min(self.draft_per_token, 2 * self.best_draft_per_token)
         key = (scored or proposed + 1, batch_size)
         self.verify[key] = verify_time if key not in self.verify else _ewma(self.verify[key], verify_time, self.decay)
 
@@ -102,14 +108,24 @@ class MeasuredCosts:
             return self.verify[(n, batch_size)]
         here = [(m, t) for (m, b), t in self.verify.items() if b == batch_size]
         if len({m for m, _ in here}) >= 2:
-            slope, intercept = np.polyfit([m for m, _ in here], [t for _, t in here], 1)
-            return max(float(intercept + slope * n), 1e-9)
+            slope, intercept = _line(here)
+            return max(intercept + slope * n, 1e-9)
         points = [(m, b, t) for (m, b), t in self.verify.items()]
         if len(points) >= 4 and len({m for m, _, _ in points}) >= 2 and len({b for _, b, _ in points}) >= 2:
             design = np.array([[1.0, m, b, m * b] for m, b, _ in points])
             coef, *_ = np.linalg.lstsq(design, np.array([t for *_, t in points]), rcond=None)
             return max(float(coef @ np.array([1.0, n, batch_size, n * batch_size])), 1e-9)
         return None
+
+
+def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares slope and intercept, in closed form (np.polyfit costs ~0.1 ms: too much per step)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return slope, my - slope * mx
 
 
 def _ewma(old: float, new: float, decay: float) -> float:
@@ -121,8 +137,9 @@ class CostModelPolicy(GammaPolicy):
 
     α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
     Costs are measured, never assumed: at a batch size with no estimate it first runs a plain step (k = 0),
-    then a full draft, then decides. After ``probe_every`` steps at k = 0 it drafts one token once, so a
-    proposer that starts paying again is noticed. In a batch (``choose_batch``) it picks one k for the step,
+    then one drafted token (in one row of a batch), then decides. After ``probe_every`` steps at k = 0 it drafts one token once, so a
+    proposer that starts paying again is noticed; each probe that changes nothing doubles the wait (up to
+    16×), so probing costs little where speculation never pays. In a batch (``choose_batch``) it picks one k for the step,
     maximising the tokens all rows emit per second of the step, since every row waits for the longest draft
     and all drafting. ``costs`` may be replaced (tests use a controlled one).
     """
@@ -134,7 +151,7 @@ class CostModelPolicy(GammaPolicy):
         self.max_gamma, self.decay, self.prior_alpha, self.probe_every = max_gamma, decay, prior_alpha, probe_every
         self.costs = costs or MeasuredCosts(decay)
         self.alpha_by_proposer: dict[str, float] = {}
-        self._batch_idle = 0
+        self._batch_idle, self._batch_wait = 0, probe_every
         self._last_step: dict | None = None
 
     def _state(self, seq) -> dict:
@@ -142,7 +159,7 @@ class CostModelPolicy(GammaPolicy):
         if key not in seq.scratch:
             prior = self.alpha_by_proposer.get(seq.scratch.get("proposer", ""), self.prior_alpha)
             # α as decayed successes / trials; a step tries positions until its first rejection
-            seq.scratch[key] = {"successes": prior, "trials": 1.0, "idle": 0}
+            seq.scratch[key] = {"successes": prior, "trials": 1.0, "idle": 0, "wait": self.probe_every}
         return seq.scratch[key]
 
     def _alpha(self, seq) -> float:
@@ -153,7 +170,8 @@ class CostModelPolicy(GammaPolicy):
         self._state(seq)
 
     def best_k(self, alpha: float, max_k: int, batch_size: int = 1) -> int:
-        return self._best([alpha], [max_k], batch_size)
+        k = self._best([alpha], [max_k], batch_size)
+        return 1 if k < 0 else k
 
     def _best(self, alphas: list[float], max_ks: list[int], batch_size: int) -> int:
         """The k (capped per row by max_ks) maximising the rows' expected tokens per second of one step."""
@@ -163,7 +181,7 @@ class CostModelPolicy(GammaPolicy):
         if self.costs.verify_time(1, batch_size) is None:
             return 0  # measure a plain step at this load first
         if self.costs.verify_time(cap + 1, batch_size) is None:
-            return cap  # then a full draft
+            return -1  # then the cheapest draft that measures a longer scoring pass (see _one_row)
         rates = []
         for k in range(cap + 1):
             ks = [min(k, m) for m in max_ks]
@@ -174,24 +192,44 @@ class CostModelPolicy(GammaPolicy):
         best = max(rates)
         return next(k for k, r in enumerate(rates) if r >= 0.99 * best)
 
+    def _probe(self, idle: int, wait: int, k: int, can_draft: bool) -> tuple[int, int, int]:
+        """(k, idle, wait) after this choice: count idle steps, probe with k = 1 when the wait is over and
+        double the wait for the next probe; any chosen k > 0 resets the wait."""
+        if k > 0:
+            return k, 0, self.probe_every
+        if not can_draft:
+            return 0, idle, wait
+        idle += 1
+        if idle >= wait:
+            return 1, 0, min(2 * wait, 16 * self.probe_every)
+        return 0, idle, wait
+
     def choose(self, seq, max_k):
         state = self._state(seq)
         k = self.best_k(self._alpha(seq), max_k, seq.scratch.get("batch_size", 1))
-        if k == 0:
-            state["idle"] += 1
-            if state["idle"] >= self.probe_every and max_k > 0:
-                state["idle"] = 0
-                return 1
+        k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, max_k > 0)
         return k
 
     def choose_batch(self, seqs, max_ks):
-        """One k for the whole step (each row capped by its own max_k)."""
-        k = self._best([self._alpha(s) for s in seqs], list(max_ks), len(seqs))
-        if k == 0 and max(max_ks) > 0:
-            self._batch_idle += 1
-            if self._batch_idle >= self.probe_every:
-                self._batch_idle, k = 0, 1
+        """One k for the whole step (each row capped by its own max_k); a measurement or a probe drafts one
+        token in one row only (the likeliest to be accepted), which is all it needs to learn."""
+        alphas = [self._alpha(s) for s in seqs]
+        k = self._best(alphas, list(max_ks), len(seqs))
+        if k < 0:
+            return self._one_row(alphas, max_ks)
+        idle = k == 0
+        k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, max(max_ks) > 0)
+        if idle and k > 0:  # a probe
+            return self._one_row(alphas, max_ks)
         return [min(k, m) for m in max_ks]
+
+    @staticmethod
+    def _one_row(alphas: list[float], max_ks: list[int]) -> list[int]:
+        ready = [j for j, m in enumerate(max_ks) if m > 0]
+        ks = [0] * len(max_ks)
+        if ready:
+            ks[max(ready, key=lambda j: alphas[j])] = 1
+        return ks
 
     def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
         step = seq.scratch.get("batch_step")

@@ -61,6 +61,8 @@ def test_cost_model_probes_again_after_a_run_of_zeros(tiny_target):
     for _ in range(20):
         policy.update(seq, 4, 0, 0.004, 0.013)
     assert [policy.choose(seq, 8) for _ in range(5)] == [0, 0, 0, 0, 1]
+    policy.update(seq, 1, 0, 0.001, 0.011)  # the probe failed: the next one waits twice as long
+    assert [policy.choose(seq, 8) for _ in range(10)] == [0] * 9 + [1]
 
 
 class WrongGuess(Proposer):
@@ -117,16 +119,28 @@ def test_a_policy_crash_is_a_clear_error_naming_it(tiny_dirs, tiny_target):
     assert info.value.culprit == "crashy" and len(info.value.partial.tokens) >= 3
 
 
-def test_cost_model_measures_a_plain_step_and_a_full_draft_before_it_decides(tiny_target):
+def test_cost_model_measures_a_plain_step_and_one_draft_before_it_decides(tiny_target):
     policy = CostModelPolicy(max_gamma=6)
     seq = seq_state(tiny_target)
     policy.begin(seq)
     assert policy.choose(seq, 8) == 0  # nothing measured at batch size 1: a plain step first
     policy.update(seq, 0, 0, 0.0, 0.010)
-    assert policy.choose(seq, 8) == 6  # then a full draft
+    assert policy.choose(seq, 8) == 1  # then the cheapest longer scoring pass
+    policy.update(seq, 1, 1, 0.050, 0.0105)  # its drafting also prefilled the prompt: 50 ms
     for _ in range(10):
-        policy.update(seq, 6, 6, 0.006, 0.012)  # cheap drafts, all accepted
+        policy.update(seq, 6, 6, 0.003, 0.013)  # cheap drafts (0.5 ms a token), all accepted
+    assert policy.costs.draft_per_token <= 2 * 0.0005  # the prefill does not poison the estimate
     assert policy.choose(seq, 8) == 6
+
+
+def test_cost_model_probes_a_batch_with_one_row_only(tiny_target):
+    policy = CostModelPolicy(max_gamma=4, costs=BatchCosts(0.004), probe_every=3)
+    seqs = [seq_state(tiny_target) for _ in range(4)]
+    for j, seq in enumerate(seqs):
+        policy.begin(seq)
+        policy.update(seq, 4, j, 0.004, 0.013)  # row 3 accepts the most
+    chosen = [policy.choose_batch(seqs, [4, 4, 4, 4]) for _ in range(3)]
+    assert chosen == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1]]
 
 
 class BatchCosts(MeasuredCosts):
