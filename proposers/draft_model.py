@@ -90,6 +90,51 @@ class DraftModelProposer(Proposer):
         device = seq.target.device
         return Proposal(torch.tensor(tokens, device=device), torch.stack(q_rows).to(device) if q_rows else None)
 
+    def propose_batch(self, seqs: list[SequenceState], ks: list[int]) -> list[Proposal]:
+        """Draft for several sequences at once: each drafting step is one lean pass over all rows still
+        drafting (the draft's weights are read once, not once per row). Each row is drawn with its own rng,
+        exactly as :meth:`propose` would draw it."""
+        if self.lean is None:
+            return [self.propose(seq, k) for seq, k in zip(seqs, ks)]
+        limit = self.draft.max_positions
+        ks = [min(k, limit - len(seq.ids)) if limit is not None else k for seq, k in zip(seqs, ks)]
+        rows = [j for j, k in enumerate(ks) if k > 0]
+        states = {j: self._state(seqs[j]) for j in rows}
+        for j in rows:  # catch up privately, so that every row feeds exactly its newest token below
+            backlog = seqs[j].ids[states[j].length:]
+            if len(backlog) > 1:
+                self.lean.forward(states[j], backlog[:-1])
+        tokens: dict[int, list[int]] = {j: [] for j in rows}
+        q_rows: dict[int, list[torch.Tensor]] = {j: [] for j in rows}
+        live, feed = rows, [seqs[j].ids[-1] for j in rows]
+        while live:
+            logits = self.lean.forward_rows([states[j] for j in live], feed)
+            if all(seqs[j].sampling.greedy for j in live):
+                picked = logits.float().argmax(-1).tolist()
+            else:
+                picked = []
+                for row, j in enumerate(live):
+                    if seqs[j].sampling.greedy:
+                        picked.append(int(logits[row].float().argmax()))
+                    else:
+                        q = processed_probs(logits[row], seqs[j].sampling)
+                        picked.append(self._sample(q, seqs[j].rng))
+                        q_rows[j].append(q)
+            for j, token in zip(live, picked):
+                tokens[j].append(token)
+            # a row's last draft is never fed (propose does the same): the next step feeds what was accepted
+            live = [j for j in live if len(tokens[j]) < ks[j]]
+            feed = [tokens[j][-1] for j in live]
+        out = []
+        for j, seq in enumerate(seqs):
+            device = seq.target.device
+            if j not in tokens:
+                out.append(Proposal.empty(device))
+            else:
+                q = torch.stack(q_rows[j]).to(device) if q_rows[j] else None
+                out.append(Proposal(torch.tensor(tokens[j], device=device), q))
+        return out
+
     @staticmethod
     def _sample(q: torch.Tensor, rng: torch.Generator) -> int:
         return int(torch.multinomial(q, 1, generator=rng))

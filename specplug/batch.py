@@ -241,7 +241,8 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
     have ``choose_batch(seqs, max_ks) -> list[int]`` to pick all rows' k together (a step costs the longest
     draft); ``seq.scratch["batch_size"]`` holds the current batch size before each choice, and before ``update``
     ``seq.scratch["batch_step"]`` holds the step's costs (one dict per step, shared by its rows): positions
-    scored per row ``scored`` (K + 1), tokens ``drafted`` by all rows, ``draft_time`` (all rows' drafting),
+    scored per row ``scored`` (K + 1), tokens ``drafted`` by all rows, ``draft_rows`` that drafted,
+    ``draft_time`` (all rows' drafting),
     ``verify_time`` (the forward and the rule) and ``batch_size``. ``max_batch_size`` caps the rows decoded together;
     the others wait and join as rows finish. ``callback(row, tokens)`` receives each row's emitted tokens.
 
@@ -469,7 +470,8 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
         tokens_list = verdicts.tokens.tolist()
         # what the whole step cost, for batch-aware policies: every row waits for all the drafting, and the
         # forward scores K + 1 positions for every row whatever each proposed (one dict per step)
-        step_info = {"scored": K + 1, "drafted": int(lengths.sum()), "draft_time": t1 - t0,
+        step_info = {"scored": K + 1, "drafted": int(lengths.sum()), "draft_rows": int((lengths > 0).sum()),
+                     "draft_time": t1 - t0,
                      "verify_time": t3 - t1, "batch_size": B}
 
         # --- per-row bookkeeping -----------------------------------------------------------------------

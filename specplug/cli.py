@@ -146,7 +146,8 @@ def _numbers(text: str, kind=float) -> list:
 @click.option("--peer", type=click.Choice(["hf"]), help="Also run Hugging Face's own assisted generation.")
 @click.option("--batch-sizes", default=None, metavar="1,2,4,8,16",
               help="Load bench instead: goodput and latency per batch size for no speculation, fixed γ and "
-                   "the heuristic and cost-model policies (first temperature only).")
+                   "the heuristic and cost-model policies, the latter cold (fresh per run) and warm (kept "
+                   "across runs, as a server keeps it) (first temperature only).")
 @click.option("--html", "html_path", default="report.html", show_default=True, help="HTML report ('' for none).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema specplug.compare/1).")
 @click.option("--device", default="cpu", show_default=True)
@@ -206,8 +207,12 @@ def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_
     from specplug.plugins import get_policy
 
     attached, _ = load.attachable(target, specs)
+    warm = get_policy("cost-model", max_gamma=max(gammas))
     policies = {"heuristic": lambda: get_policy("heuristic", gamma=max(gammas)),
-                "cost-model": lambda: get_policy("cost-model", max_gamma=max(gammas))}
+                # cold: a fresh policy per run pays its measurements in every run (~1-2 s of decoding here);
+                # warm: one policy kept across runs, as a server keeps it, reuses what it measured
+                "cost-model": lambda: get_policy("cost-model", max_gamma=max(gammas)),
+                "cost-model warm": lambda: warm}
     prompts = [p for w in workloads for p in w.prompts]
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("load", total=load.count_runs(attached, batch_sizes, gammas, policies, repeats))

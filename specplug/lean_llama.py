@@ -125,6 +125,25 @@ class LeanLayer:
         return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
 
+    def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[LayerCache]) -> torch.Tensor:
+        """One new position in each of B sequences: x [B, h], cos/sin [B, head_dim], one cache per row.
+
+        The products run once for all rows (the weights are read once); attention runs per row over its own
+        cache, since the rows' lengths differ."""
+        layer, H, G, d = self.layer, self.heads, self.kv_heads, self.head_dim
+        B = x.shape[0]
+        qkv = few_rows.linear(_rms_norm(x, layer.input_layernorm), *self.qkv).view(B, H + 2 * G, d)
+        qk = _rotate(qkv[:, : H + G], cos[:, None], sin[:, None])
+        outs = []
+        for b, cache in enumerate(caches):
+            keys, values = cache.append(qk[b, H:, None], qkv[b, H + G:, None])
+            outs.append(F.scaled_dot_product_attention(qk[b, :H, None], keys, values, scale=self.scaling,
+                                                       enable_gqa=H != G))
+        x = x + layer.self_attn.o_proj(torch.stack(outs).reshape(B, -1))
+        gate, up = few_rows.linear(_rms_norm(x, layer.post_attention_layernorm), *self.gate_up).split(self.inter, -1)
+        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+
+
 class LeanCache:
     """A whole model's cache: one :class:`LayerCache` per layer. ``crop`` is the rollback."""
 
@@ -163,6 +182,20 @@ class LeanLlama:
                 x = layer(x, cos, sin, layer_cache)
             if last_only:
                 x = x[-1]
+            return self.model.lm_head(_rms_norm(x, self.model.model.norm))
+
+
+    def forward_rows(self, caches: list[LeanCache], tokens: list[int]) -> torch.Tensor:
+        """One token after each of B sequences' cached ones, in one pass: logits [B, V]."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        positions = [cache.length for cache in caches]
+        self.rope.get(max(positions), 1)  # make sure the table reaches the furthest row
+        at = torch.tensor(positions, device=self.device)
+        cos, sin = self.rope.cos[at], self.rope.sin[at]
+        with torch.inference_mode():
+            x = self.model.model.embed_tokens(ids)
+            for i, layer in enumerate(self.layers):
+                x = layer.rows(x, cos, sin, [cache.layers[i] for cache in caches])
             return self.model.lm_head(_rms_norm(x, self.model.model.norm))
 
 

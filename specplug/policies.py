@@ -75,33 +75,45 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 @dataclass
 class MeasuredCosts:
-    """Online cost estimates: drafting time per drafted token (one row's), and scoring time as a function of
-    tokens scored per row n and batch size B: an exponentially weighted mean per measured (n, B); elsewhere a
-    line in n at that B, or a bilinear fit a + b·n + c·B + d·n·B over every measured point. ``None`` when
-    nothing supports an estimate yet (the policy then measures instead of guessing)."""
+    """Online cost estimates, measured, never assumed (``None`` until something supports an estimate; the
+    policy then measures instead of guessing):
+
+    - drafting: seconds of one drafting pass (one token in each of ``rows`` rows), by rows drafting; a
+      per-row drafter costs ~rows passes, a batched one (``propose_batch``) much less. Unseen row counts
+      come from a line over the measured ones.
+    - scoring: seconds of the target's pass over n tokens per row at batch size B: a decayed mean per
+      measured (n, B); elsewhere a line in n at that B, or a bilinear fit a + b·n + c·B + d·n·B.
+    """
 
     decay: float = 0.8
-    draft_per_token: float | None = None
-    best_draft_per_token: float | None = None
+    draft_pass: dict[int, float] = field(default_factory=dict)
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int,
-                scored: int | None = None) -> None:
-        """``proposed`` tokens took ``draft_time`` to draft; scoring ``scored`` (default proposed + 1) tokens per
-        row for ``batch_size`` rows took ``verify_time``."""
-        if proposed:
-            per = draft_time / proposed
-            # a step that also caught up on a backlog (the prompt, tokens emitted while speculation was off)
-            # is not what drafting costs: clip at twice the best per-token time seen
-            self.best_draft_per_token = min(per, self.best_draft_per_token or per)
-            per = min(per, 2 * self.best_draft_per_token)
-            self.draft_per_token = per if self.draft_per_token is None else _ewma(self.draft_per_token, per, self.decay)
-            self.draft_per_token = min(self.draft_per_token, 2 * self.best_draft_per_token)
-        key = (scored or proposed + 1, batch_size)
+                scored: int | None = None, draft_clean: bool = True, draft_rows: int = 1) -> None:
+        """``draft_rows`` rows drafted ``proposed`` tokens in ``scored - 1`` passes (default: one row, ``proposed``
+        passes) taking ``draft_time``; scoring ``scored`` tokens per row for ``batch_size`` rows took
+        ``verify_time``. ``draft_clean=False``: the drafting also paid for a backlog (the drafter's first step
+        after steps without drafting: the prompt, tokens emitted meanwhile), so it is not a drafting cost."""
+        scored = scored or proposed + 1
+        if proposed and draft_clean and scored > 1:
+            per = draft_time / (scored - 1)
+            old = self.draft_pass.get(draft_rows)
+            # clip outliers (a pause, a backlog the bookkeeping missed) at twice the running estimate
+            self.draft_pass[draft_rows] = per if old is None else _ewma(old, min(per, 2 * old), self.decay)
+        key = (scored, batch_size)
         self.verify[key] = verify_time if key not in self.verify else _ewma(self.verify[key], verify_time, self.decay)
 
-    def draft_time(self, k: int) -> float:
-        return k * (self.draft_per_token or 0.0)
+    def draft_time(self, k: int, rows: int = 1) -> float | None:
+        """Seconds for ``rows`` rows to draft k tokens each; None before a clean measurement supports it."""
+        if k <= 0:
+            return 0.0
+        if rows in self.draft_pass:
+            return k * self.draft_pass[rows]
+        if len(self.draft_pass) >= 2:
+            slope, intercept = _line(list(self.draft_pass.items()))
+            return k * max(intercept + slope * rows, 1e-9)
+        return None
 
     def verify_time(self, n: int, batch_size: int) -> float | None:
         if (n, batch_size) in self.verify:
@@ -137,7 +149,7 @@ class CostModelPolicy(GammaPolicy):
 
     α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
     Costs are measured, never assumed: at a batch size with no estimate it first runs a plain step (k = 0),
-    then one drafted token (in one row of a batch), then decides. After ``probe_every`` steps at k = 0 it drafts one token once, so a
+    then one drafted token in every row, twice (the first pays the drafter's backlog), then decides. After ``probe_every`` steps at k = 0 it drafts one token once, so a
     proposer that starts paying again is noticed; each probe that changes nothing doubles the wait (up to
     16×), so probing costs little where speculation never pays. In a batch (``choose_batch``) it picks one k for the step,
     maximising the tokens all rows emit per second of the step, since every row waits for the longest draft
@@ -153,6 +165,8 @@ class CostModelPolicy(GammaPolicy):
         self.alpha_by_proposer: dict[str, float] = {}
         self._batch_idle, self._batch_wait = 0, probe_every
         self._last_step: dict | None = None
+        self._last_rows = 0  # rows that drafted in the previous batch step (rows beyond it had a backlog)
+        self._probe_row = None  # the sequence the last one-row step drafted in (measured again, if it can)
 
     def _state(self, seq) -> dict:
         key = f"policy:{self.name}"
@@ -180,13 +194,17 @@ class CostModelPolicy(GammaPolicy):
             return 0
         if self.costs.verify_time(1, batch_size) is None:
             return 0  # measure a plain step at this load first
-        if self.costs.verify_time(cap + 1, batch_size) is None:
-            return -1  # then the cheapest draft that measures a longer scoring pass (see _one_row)
+        rows = sum(1 for m in max_ks if m > 0)
+        if self.costs.verify_time(cap + 1, batch_size) is None or self.costs.draft_time(1, rows) is None:
+            # then the cheapest drafting that measures a longer scoring pass and what drafting in these rows
+            # costs: one token in each, twice in a row, since the first also pays the drafter's backlog
+            return -1
         rates = []
         for k in range(cap + 1):
             ks = [min(k, m) for m in max_ks]
             tokens = sum(expected_tokens(a, kr) for a, kr in zip(alphas, ks))
-            rates.append(tokens / (self.costs.draft_time(sum(ks)) + self.costs.verify_time(max(ks) + 1, batch_size)))
+            drafting = self.costs.draft_time(max(ks), sum(1 for kr in ks if kr > 0))
+            rates.append(tokens / ((drafting or 0.0) + self.costs.verify_time(max(ks) + 1, batch_size)))
         # the smallest k within 1% of the best: measured costs are noisy, and drafting that buys nothing
         # should not win a tie
         best = max(rates)
@@ -211,38 +229,43 @@ class CostModelPolicy(GammaPolicy):
         return k
 
     def choose_batch(self, seqs, max_ks):
-        """One k for the whole step (each row capped by its own max_k); a measurement or a probe drafts one
-        token in one row only (the likeliest to be accepted), which is all it needs to learn."""
+        """One k for the whole step (each row capped by its own max_k); a probe drafts one token in one row
+        only (the likeliest to be accepted), which is all it needs to learn whether α has changed."""
         alphas = [self._alpha(s) for s in seqs]
         k = self._best(alphas, list(max_ks), len(seqs))
-        if k < 0:
-            return self._one_row(alphas, max_ks)
+        if k < 0:  # measuring
+            return [min(1, m) for m in max_ks]
         idle = k == 0
         k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, max(max_ks) > 0)
         if idle and k > 0:  # a probe
-            return self._one_row(alphas, max_ks)
+            return self._one_row(seqs, alphas, max_ks)
         return [min(k, m) for m in max_ks]
 
-    @staticmethod
-    def _one_row(alphas: list[float], max_ks: list[int]) -> list[int]:
+    def _one_row(self, seqs, alphas: list[float], max_ks: list[int]) -> list[int]:
+        """k = 1 in one row: the one measured last step if it can draft (its drafter has no backlog), else the
+        likeliest to be accepted."""
         ready = [j for j, m in enumerate(max_ks) if m > 0]
         ks = [0] * len(max_ks)
         if ready:
-            ks[max(ready, key=lambda j: alphas[j])] = 1
+            again = [j for j in ready if seqs[j] is self._probe_row]
+            j = again[0] if again else max(ready, key=lambda j: alphas[j])
+            ks[j], self._probe_row = 1, seqs[j]
         return ks
 
     def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
         step = seq.scratch.get("batch_step")
+        state = self._state(seq)
         if step:  # in a batch: the step's costs once (every row reports the same step)
             if step is not self._last_step:
                 self._last_step = step
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
-                                   step["scored"])
+                                   step["scored"], self._last_rows >= step["draft_rows"], step["draft_rows"])
+                self._last_rows = step["draft_rows"]
         else:
-            self.costs.observe(proposed, draft_time, verify_time, batch_size)
+            self.costs.observe(proposed, draft_time, verify_time, batch_size, None, state.get("drafted", 0) > 0)
+            state["drafted"] = proposed
         if proposed == 0:
             return
-        state = self._state(seq)
         trials = accepted + (accepted < proposed)
         state["successes"] = self.decay * state["successes"] + accepted
         state["trials"] = self.decay * state["trials"] + trials

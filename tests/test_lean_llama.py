@@ -79,3 +79,31 @@ def test_non_llama_draft_falls_back_to_hf_forward_and_stays_exact_in_greedy(tmp_
     spec = specplug.generate(tiny_target, proposer, "for i in", max_new_tokens=30, sampling=specplug.GREEDY)
     plain = specplug.generate(tiny_target, None, "for i in", max_new_tokens=30, sampling=specplug.GREEDY)
     assert spec.tokens == plain.tokens
+
+
+def test_draft_model_batch_proposals_equal_its_per_row_proposals(tiny_dirs, tiny_target):
+    proposer = DraftModelProposer(target=tiny_target, model=tiny_dirs["draft"])
+    prompts = ["def add(a, b):", "import os\n", "for i in range(10):\n    print(i"]
+    samplings = [specplug.GREEDY, specplug.SamplingParams(temperature=1.0, seed=5),
+                 specplug.SamplingParams(temperature=0.8, top_k=20, seed=6)]
+
+    def fresh():
+        seqs = []
+        for text, sampling in zip(prompts, samplings):
+            ids = tiny_target.encode(text)
+            seq = specplug.types.SequenceState(ids=list(ids), num_prompt=len(ids), sampling=sampling,
+                                               rng=sampling.generator(), target=tiny_target)
+            proposer.begin(seq)
+            seqs.append(seq)
+        return seqs
+
+    ks = [4, 0, 3]
+    one_by_one = [proposer.propose(seq, k) if k else None for seq, k in zip(fresh(), ks)]
+    together = proposer.propose_batch(fresh(), ks)
+    assert together[1].k == 0
+    for a, b in zip(one_by_one, together):
+        if a is not None:
+            assert b.tokens.tolist() == a.tokens.tolist()
+            assert (a.q is None) == (b.q is None)
+            if a.q is not None:
+                torch.testing.assert_close(b.q, a.q, atol=1e-5, rtol=1e-4)

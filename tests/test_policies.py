@@ -15,8 +15,8 @@ class ControlledCosts(MeasuredCosts):
     def observe(self, *args):
         pass
 
-    def draft_time(self, k):
-        return 0.001 * k
+    def draft_time(self, k, rows=1):
+        return 0.001 * k * rows
 
     def verify_time(self, n, batch_size):
         return 0.010 + 0.0005 * n
@@ -129,7 +129,7 @@ def test_cost_model_measures_a_plain_step_and_one_draft_before_it_decides(tiny_t
     policy.update(seq, 1, 1, 0.050, 0.0105)  # its drafting also prefilled the prompt: 50 ms
     for _ in range(10):
         policy.update(seq, 6, 6, 0.003, 0.013)  # cheap drafts (0.5 ms a token), all accepted
-    assert policy.costs.draft_per_token <= 2 * 0.0005  # the prefill does not poison the estimate
+    assert policy.costs.draft_time(1) <= 2 * 0.0005  # the prefill does not poison the estimate
     assert policy.choose(seq, 8) == 6
 
 
@@ -154,8 +154,8 @@ class BatchCosts(MeasuredCosts):
     def observe(self, *args):
         pass
 
-    def draft_time(self, k):
-        return 0.0001 * k
+    def draft_time(self, k, rows=1):
+        return 0.0001 * k * rows
 
     def verify_time(self, n, batch_size):
         return 0.010 + self.slope * n * batch_size
@@ -182,3 +182,14 @@ def test_measured_costs_estimate_unseen_batch_sizes_from_a_bilinear_fit():
     assert costs.verify_time(3, 2) == pytest.approx(truth(3, 2), rel=1e-6)
     assert costs.verify_time(2, 4) == pytest.approx(truth(2, 4), rel=1e-6)  # a line in n at a measured B
     assert MeasuredCosts().verify_time(1, 1) is None  # nothing measured: no guess
+
+
+def test_measured_costs_learn_how_drafting_scales_with_the_rows_drafting():
+    costs = MeasuredCosts()
+    assert costs.draft_time(1, 4) is None
+    costs.observe(3, 0.003, 0.010, 1)  # one row, three passes of 1 ms
+    costs.observe(16, 0.003, 0.020, 8, scored=3, draft_rows=8)  # a batched drafter: two passes of 1.5 ms
+    assert costs.draft_time(2, 1) == pytest.approx(0.002)
+    assert costs.draft_time(2, 4) == pytest.approx(2 * (0.001 + 0.0005 * 3 / 7))
+    costs.observe(16, 0.100, 0.020, 8, scored=3, draft_clean=False, draft_rows=8)  # paid a backlog: ignored
+    assert costs.draft_time(1, 8) == pytest.approx(0.0015)

@@ -8,7 +8,8 @@ work, and goodput = tokens emitted by all requests / wall seconds of the run (pr
 each step's wall time shared among the tokens it emitted for that row (what a user of the row sees), pooled
 over the run's rows; a cell reports the median over repeats of each run's goodput, p50 and p99. Runs are
 interleaved (repeat → batch size → variant, variant order rotated each repeat) so machine drift hits all
-cells alike, and every cell gets its own fresh proposer and policy objects per run.
+cells alike, and every cell gets its own fresh proposer per run, and whatever policy object its factory
+returns (a fresh one per run, or one kept across runs as a server would keep it: the CLI shows both).
 
 Variants: ``target-only`` (γ = 0, the baseline), then for each proposer spec one variant per entry of
 ``gammas`` (an int γ) and one per entry of ``policies`` (label → factory returning a fresh policy object with
