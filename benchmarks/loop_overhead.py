@@ -32,6 +32,19 @@ class ForwardTimer:
     def _post(self, *_):
         self.total += time.perf_counter() - self._start
 
+    def wrap(self, obj, name: str) -> None:
+        """Time a plain method too (the lean drafter's forward is not a module call)."""
+        inner = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.total += time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
 
 def loop_overhead(target, proposer, tokens, repeats, timer):
     shares, walls = [], []
@@ -73,6 +86,8 @@ def main() -> None:
     target = specplug.Target.from_pretrained(args.target)
     draft = specplug.get_proposer("draft-model", target=target, **({"model": args.draft} if args.draft else {}))
     timer = ForwardTimer(target.model, draft.draft.model)
+    if draft.lean is not None:  # the draft runs through specplug.lean_llama, not the HF module's forward
+        timer.wrap(draft.lean, "forward")
     for name, proposer in (("target-only", None), ("draft-model", draft)):
         loop_overhead(target, proposer, 16, 1, timer)  # warm-up
         share, wall = loop_overhead(target, proposer, args.tokens, args.repeats, timer)
