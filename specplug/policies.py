@@ -115,6 +115,10 @@ class MeasuredCosts:
             return k * max(intercept + slope * rows, 1e-9)
         return None
 
+    def is_measured(self, n: int, batch_size: int) -> bool:
+        """Whether scoring n tokens per row at this batch size has been measured (not just estimated)."""
+        return (n, batch_size) in self.verify
+
     def verify_time(self, n: int, batch_size: int) -> float | None:
         if (n, batch_size) in self.verify:
             return self.verify[(n, batch_size)]
@@ -149,7 +153,8 @@ class CostModelPolicy(GammaPolicy):
 
     α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
     Costs are measured, never assumed: at a batch size with no estimate it first runs a plain step (k = 0),
-    then one drafted token in every row, twice (the first pays the drafter's backlog), then decides. After ``probe_every`` steps at k = 0 it drafts one token once, so a
+    then one drafted token in every row, twice (the first pays the drafter's backlog), then one full draft,
+    then decides. After ``probe_every`` steps at k = 0 it drafts one token once, so a
     proposer that starts paying again is noticed; each probe that changes nothing doubles the wait (up to
     16×), so probing costs little where speculation never pays. In a batch (``choose_batch``) it picks one k for the step,
     maximising the tokens all rows emit per second of the step, since every row waits for the longest draft
@@ -199,6 +204,10 @@ class CostModelPolicy(GammaPolicy):
             # then the cheapest drafting that measures a longer scoring pass and what drafting in these rows
             # costs: one token in each, twice in a row, since the first also pays the drafter's backlog
             return -1
+        if not self.costs.is_measured(cap + 1, batch_size):
+            # and one full draft: scoring cost is not linear in tokens (it jumps where the products outgrow
+            # the caches), so the far end of the line is measured, not extrapolated
+            return cap
         rates = []
         for k in range(cap + 1):
             ks = [min(k, m) for m in max_ks]

@@ -21,6 +21,9 @@ class ControlledCosts(MeasuredCosts):
     def verify_time(self, n, batch_size):
         return 0.010 + 0.0005 * n
 
+    def is_measured(self, n, batch_size):
+        return True
+
 
 def seq_state(target):
     return specplug.SequenceState(ids=[1, 2, 3], num_prompt=3, sampling=specplug.GREEDY,
@@ -119,7 +122,7 @@ def test_a_policy_crash_is_a_clear_error_naming_it(tiny_dirs, tiny_target):
     assert info.value.culprit == "crashy" and len(info.value.partial.tokens) >= 3
 
 
-def test_cost_model_measures_a_plain_step_and_one_draft_before_it_decides(tiny_target):
+def test_cost_model_measures_a_plain_step_one_token_and_a_full_draft_before_it_decides(tiny_target):
     policy = CostModelPolicy(max_gamma=6)
     seq = seq_state(tiny_target)
     policy.begin(seq)
@@ -127,6 +130,9 @@ def test_cost_model_measures_a_plain_step_and_one_draft_before_it_decides(tiny_t
     policy.update(seq, 0, 0, 0.0, 0.010)
     assert policy.choose(seq, 8) == 1  # then the cheapest longer scoring pass
     policy.update(seq, 1, 1, 0.050, 0.0105)  # its drafting also prefilled the prompt: 50 ms
+    assert policy.choose(seq, 8) == 1  # so once more, to measure drafting without the backlog
+    policy.update(seq, 1, 1, 0.0005, 0.0105)
+    assert policy.choose(seq, 8) == 6  # then one full draft: the far end of the cost line is measured
     for _ in range(10):
         policy.update(seq, 6, 6, 0.003, 0.013)  # cheap drafts (0.5 ms a token), all accepted
     assert policy.costs.draft_time(1) <= 2 * 0.0005  # the prefill does not poison the estimate
@@ -159,6 +165,9 @@ class BatchCosts(MeasuredCosts):
 
     def verify_time(self, n, batch_size):
         return 0.010 + self.slope * n * batch_size
+
+    def is_measured(self, n, batch_size):
+        return True
 
 
 @pytest.mark.parametrize("slope, expect_speculation", [(0.0001, True), (0.004, False)])
