@@ -366,161 +366,172 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
     admit([rows[i] for i in waiting[:cap]])
     del waiting[:cap]
 
-    while active:
-        B = len(active)
-        # --- propose: per row, or in one call for a proposer with propose_batch ---------------------------
-        t0 = time.perf_counter()
-        k_maxes = []
-        for row in active:
-            seq = row.seq
-            seq.scratch["batch_size"] = B  # what a policy may read in choose(); update() gets it too
-            remaining = budgets[row.index] - len(seq.output_ids)
-            k_maxes.append(max(0, min(remaining - 1, limit - len(seq.ids) - 1)) if row.active is not None else 0)
-        shared = active[0].gamma
-        if hasattr(shared, "choose_batch") and all(row.gamma is shared for row in active):
-            # one policy for the whole batch may choose every row's k at once (the step costs max k)
-            try:
-                chosen = [int(k) for k in shared.choose_batch([row.seq for row in active], list(k_maxes))]
-                if len(chosen) != B:
-                    raise ValueError(f"returned {len(chosen)} values for {B} sequences")
-            except Exception as exc:
-                raise fail(active[0], f"choose_batch() raised {exc!r}", "policy", _policy_name(shared)) from exc
-            asked = [max(0, min(k, m)) if m else 0 for k, m in zip(chosen, k_maxes)]
-        else:
-            asked = []
-            for row, k_max in zip(active, k_maxes):
-                if isinstance(row.gamma, int):
-                    asked.append(min(row.gamma, k_max))
-                else:
-                    asked.append(k_max and max(0, min(int(ask_policy(row, "choose", k_max)), k_max)))
-        drafting = [j for j, row in enumerate(active) if row.active is not None and asked[j] > 0]
-        raw: list[Proposal | None] = [None] * B
-        fell = [False] * B
-        draft_times = [0.0] * B
-        batched = getattr(proposer, "propose_batch", None)
-        if batched is not None and drafting:
-            td = time.perf_counter()
-            try:
-                got = list(batched([active[j].seq for j in drafting], [asked[j] for j in drafting]))
-                if len(got) != len(drafting):
-                    raise fail(active[drafting[0]], f"propose_batch() returned {len(got)} proposals for "
-                                                   f"{len(drafting)} sequences")
-            except SpeculationError:
-                raise
-            except Exception as exc:
-                for j in drafting:
-                    proposer_failed(active[j], "propose_batch", exc)
-                    fell[j] = True
+    try:
+        while active:
+            B = len(active)
+            # --- propose: per row, or in one call for a proposer with propose_batch ---------------------------
+            t0 = time.perf_counter()
+            k_maxes = []
+            for row in active:
+                seq = row.seq
+                seq.scratch["batch_size"] = B  # what a policy may read in choose(); update() gets it too
+                remaining = budgets[row.index] - len(seq.output_ids)
+                k_maxes.append(max(0, min(remaining - 1, limit - len(seq.ids) - 1)) if row.active is not None else 0)
+            shared = active[0].gamma
+            if hasattr(shared, "choose_batch") and all(row.gamma is shared for row in active):
+                # one policy for the whole batch may choose every row's k at once (the step costs max k)
+                try:
+                    chosen = [int(k) for k in shared.choose_batch([row.seq for row in active], list(k_maxes))]
+                    if len(chosen) != B:
+                        raise ValueError(f"returned {len(chosen)} values for {B} sequences")
+                except Exception as exc:
+                    raise fail(active[0], f"choose_batch() raised {exc!r}", "policy", _policy_name(shared)) from exc
+                asked = [max(0, min(k, m)) if m else 0 for k, m in zip(chosen, k_maxes)]
             else:
-                for j, p in zip(drafting, got):
-                    raw[j] = p
-            share = (time.perf_counter() - td) / len(drafting)
-            for j in drafting:
-                draft_times[j] = share
-        else:
-            for j in drafting:
+                asked = []
+                for row, k_max in zip(active, k_maxes):
+                    if isinstance(row.gamma, int):
+                        asked.append(min(row.gamma, k_max))
+                    else:
+                        asked.append(k_max and max(0, min(int(ask_policy(row, "choose", k_max)), k_max)))
+            drafting = [j for j, row in enumerate(active) if row.active is not None and asked[j] > 0]
+            raw: list[Proposal | None] = [None] * B
+            fell = [False] * B
+            draft_times = [0.0] * B
+            batched = getattr(proposer, "propose_batch", None)
+            if batched is not None and drafting:
                 td = time.perf_counter()
                 try:
-                    raw[j] = active[j].active.propose(active[j].seq, asked[j])
+                    got = list(batched([active[j].seq for j in drafting], [asked[j] for j in drafting]))
+                    if len(got) != len(drafting):
+                        raise fail(active[drafting[0]], f"propose_batch() returned {len(got)} proposals for "
+                                                       f"{len(drafting)} sequences")
+                except SpeculationError:
+                    raise
                 except Exception as exc:
-                    proposer_failed(active[j], "propose", exc)
-                    fell[j] = True
-                draft_times[j] = time.perf_counter() - td
-        proposals: list[Proposal] = []
-        for j, (row, proposal) in enumerate(zip(active, raw)):
-            if proposal is None:
-                proposal = Proposal.empty(device)
+                    for j in drafting:
+                        proposer_failed(active[j], "propose_batch", exc)
+                        fell[j] = True
+                else:
+                    for j, p in zip(drafting, got):
+                        raw[j] = p
+                share = (time.perf_counter() - td) / len(drafting)
+                for j in drafting:
+                    draft_times[j] = share
             else:
-                if proposal.k > asked[j]:
-                    raise fail(row, f"proposed {proposal.k} tokens when asked for at most {asked[j]}")
-                try:  # before scoring: a bad id must never reach the model
-                    validate_proposal(proposal, V)
-                except ProposalError as exc:
-                    raise fail(row, str(exc)) from exc
-                proposal = proposal.to(device)
-            proposals.append(proposal)
-        # --- one target forward over the ragged drafts ---------------------------------------------------
-        t1 = time.perf_counter()
-        lengths = torch.tensor([p.k for p in proposals], dtype=torch.long, device=device)
-        K = int(lengths.max())
-        input_ids = torch.zeros(B, K + 1, dtype=torch.long, device=device)
-        for j, (row, p) in enumerate(zip(active, proposals)):
-            input_ids[j, 0] = row.seq.ids[-1]
-            if p.k:
-                input_ids[j, 1: p.k + 1] = p.tokens
-        input_valid = torch.arange(K + 1, device=device).unsqueeze(0) <= lengths.unsqueeze(1)
-        out = batch.forward(input_ids, input_valid, output_hidden_states=bool(features))
-        p_target = _processed(out.logits, [r.sampling for r in active])
-        t2 = time.perf_counter()
-        # --- verify all rows at once, each with its own uniforms ----------------------------------------
-        draft_tokens = input_ids[:, 1:]
-        q_draft = _dense_q(proposals, K, V, device)
-        uniforms = torch.zeros(B, K + 1, dtype=p_target.dtype, device=device)
-        for j, (row, p) in enumerate(zip(active, proposals)):
-            # same draw, same shape, same point in the row's stream as the single-sequence verify()
-            u = torch.rand(1, p.k + 1, generator=row.seq.rng, device=device, dtype=p_target.dtype)[0]
-            uniforms[j, : p.k] = u[: p.k]
-            uniforms[j, K] = u[p.k]
-        verdicts = verify_batch(p_target, draft_tokens, q_draft, lengths, uniforms=uniforms, validate=False)
-        accepted = verdicts.accepted
-        # keep [last, accepted drafts] in the cache; the emitted token is fed by the next step
-        batch.commit(accepted + 1)
-        t3 = time.perf_counter()
-        accepted_list = accepted.tolist()
-        tokens_list = verdicts.tokens.tolist()
-        # what the whole step cost, for batch-aware policies: every row waits for all the drafting, and the
-        # forward scores K + 1 positions for every row whatever each proposed (one dict per step)
-        step_info = {"scored": K + 1, "drafted": int(lengths.sum()), "draft_rows": int((lengths > 0).sum()),
-                     "draft_time": t1 - t0,
-                     "verify_time": t3 - t1, "batch_size": B}
+                for j in drafting:
+                    td = time.perf_counter()
+                    try:
+                        raw[j] = active[j].active.propose(active[j].seq, asked[j])
+                    except Exception as exc:
+                        proposer_failed(active[j], "propose", exc)
+                        fell[j] = True
+                    draft_times[j] = time.perf_counter() - td
+            proposals: list[Proposal] = []
+            for j, (row, proposal) in enumerate(zip(active, raw)):
+                if proposal is None:
+                    proposal = Proposal.empty(device)
+                else:
+                    if proposal.k > asked[j]:
+                        raise fail(row, f"proposed {proposal.k} tokens when asked for at most {asked[j]}")
+                    try:  # before scoring: a bad id must never reach the model
+                        validate_proposal(proposal, V)
+                    except ProposalError as exc:
+                        raise fail(row, str(exc)) from exc
+                    proposal = proposal.to(device)
+                proposals.append(proposal)
+            # --- one target forward over the ragged drafts ---------------------------------------------------
+            t1 = time.perf_counter()
+            lengths = torch.tensor([p.k for p in proposals], dtype=torch.long, device=device)
+            K = int(lengths.max())
+            input_ids = torch.zeros(B, K + 1, dtype=torch.long, device=device)
+            for j, (row, p) in enumerate(zip(active, proposals)):
+                input_ids[j, 0] = row.seq.ids[-1]
+                if p.k:
+                    input_ids[j, 1: p.k + 1] = p.tokens
+            input_valid = torch.arange(K + 1, device=device).unsqueeze(0) <= lengths.unsqueeze(1)
+            out = batch.forward(input_ids, input_valid, output_hidden_states=bool(features))
+            p_target = _processed(out.logits, [r.sampling for r in active])
+            t2 = time.perf_counter()
+            # --- verify all rows at once, each with its own uniforms ----------------------------------------
+            draft_tokens = input_ids[:, 1:]
+            q_draft = _dense_q(proposals, K, V, device)
+            uniforms = torch.zeros(B, K + 1, dtype=p_target.dtype, device=device)
+            for j, (row, p) in enumerate(zip(active, proposals)):
+                # same draw, same shape, same point in the row's stream as the single-sequence verify()
+                u = torch.rand(1, p.k + 1, generator=row.seq.rng, device=device, dtype=p_target.dtype)[0]
+                uniforms[j, : p.k] = u[: p.k]
+                uniforms[j, K] = u[p.k]
+            verdicts = verify_batch(p_target, draft_tokens, q_draft, lengths, uniforms=uniforms, validate=False)
+            accepted = verdicts.accepted
+            # keep [last, accepted drafts] in the cache; the emitted token is fed by the next step
+            batch.commit(accepted + 1)
+            t3 = time.perf_counter()
+            accepted_list = accepted.tolist()
+            tokens_list = verdicts.tokens.tolist()
+            # what the whole step cost, for batch-aware policies: every row waits for all the drafting, and the
+            # forward scores K + 1 positions for every row whatever each proposed (one dict per step)
+            step_info = {"scored": K + 1, "drafted": int(lengths.sum()), "draft_rows": int((lengths > 0).sum()),
+                         "draft_time": t1 - t0,
+                         "verify_time": t3 - t1, "batch_size": B}
 
-        # --- per-row bookkeeping -----------------------------------------------------------------------
-        done: list[int] = []
-        for j, row in enumerate(active):
-            seq, stats = row.seq, row.stats
-            acc = accepted_list[j]
-            verdict = Verdict(accepted=acc, proposed=proposals[j].k, tokens=tokens_list[j][: acc + 1])
-            if features:
-                verdict.features = _pick_features(out, features, j, acc + 1)
-            if row.active is not None and not isinstance(row.gamma, int):
-                seq.scratch["batch_step"] = step_info
-                ask_policy(row, "update", proposals[j].k, acc, draft_times[j], t2 - t1, B)
-            remaining = budgets[row.index] - len(seq.output_ids)
-            emitted, reason = _emit(target, seq, verdict.tokens, remaining, eos, stop, max_stop)
-            if row.active is not None and not fell[j]:
+            # --- per-row bookkeeping -----------------------------------------------------------------------
+            done: list[int] = []
+            for j, row in enumerate(active):
+                seq, stats = row.seq, row.stats
+                acc = accepted_list[j]
+                verdict = Verdict(accepted=acc, proposed=proposals[j].k, tokens=tokens_list[j][: acc + 1])
+                if features:
+                    verdict.features = _pick_features(out, features, j, acc + 1)
+                if row.active is not None and not isinstance(row.gamma, int):
+                    seq.scratch["batch_step"] = step_info
+                    ask_policy(row, "update", proposals[j].k, acc, draft_times[j], t2 - t1, B)
+                remaining = budgets[row.index] - len(seq.output_ids)
+                emitted, reason = _emit(target, seq, verdict.tokens, remaining, eos, stop, max_stop)
+                if row.active is not None and not fell[j]:
+                    try:
+                        row.active.observe(seq, verdict)
+                    except Exception as exc:
+                        if strict:
+                            raise fail(row, f"observe() raised {exc!r}") from exc
+                        warnings.warn(f"proposer {name!r} failed in observe() ({exc!r}) for batch row {row.index}; "
+                                      "that row decodes target-only", stacklevel=2)
+                        row.active, warned[0] = None, True
+                stats.fallback_steps += fell[j]
+                stats.draft_time += draft_times[j]
+                stats.target_time += t2 - t1
+                stats.verify_time += t3 - t2
+                stats.record_step(asked[j], proposals[j].k, acc, len(emitted), time.perf_counter() - t0)
+                if emitted and callback is not None:
+                    callback(row.index, emitted)
+                if not reason and len(seq.ids) >= limit:
+                    reason = "max_positions"
+                if reason:
+                    finish(row, reason)
+                    done.append(j)
+            if done:
+                keep = [j for j in range(B) if j not in set(done)]
+                active[:] = [active[j] for j in keep]
+                if keep:
+                    batch.select(keep)
+                if waiting and len(active) < cap:
+                    joining = [rows[i] for i in waiting[: cap - len(active)]]
+                    del waiting[: len(joining)]
+                    admit(joining)
+                for j, r in enumerate(active):
+                    r.seq.target_cache = BatchCacheView(batch, j)
+            else:
+                batch.maybe_compact()
+    except BaseException:
+        # the batch fails as a whole: every live row's proposer still hears end() (never masking the error)
+        for row in active:
+            if row.active is not None:
                 try:
-                    row.active.observe(seq, verdict)
+                    row.active.end(row.seq)
                 except Exception as exc:
-                    if strict:
-                        raise fail(row, f"observe() raised {exc!r}") from exc
-                    warnings.warn(f"proposer {name!r} failed in observe() ({exc!r}) for batch row {row.index}; "
-                                  "that row decodes target-only", stacklevel=2)
-                    row.active, warned[0] = None, True
-            stats.fallback_steps += fell[j]
-            stats.draft_time += draft_times[j]
-            stats.target_time += t2 - t1
-            stats.verify_time += t3 - t2
-            stats.record_step(asked[j], proposals[j].k, acc, len(emitted), time.perf_counter() - t0)
-            if emitted and callback is not None:
-                callback(row.index, emitted)
-            if not reason and len(seq.ids) >= limit:
-                reason = "max_positions"
-            if reason:
-                finish(row, reason)
-                done.append(j)
-        if done:
-            keep = [j for j in range(B) if j not in set(done)]
-            active[:] = [active[j] for j in keep]
-            if keep:
-                batch.select(keep)
-            if waiting and len(active) < cap:
-                joining = [rows[i] for i in waiting[: cap - len(active)]]
-                del waiting[: len(joining)]
-                admit(joining)
-            for j, r in enumerate(active):
-                r.seq.target_cache = BatchCacheView(batch, j)
-        else:
-            batch.maybe_compact()
+                    warnings.warn(f"proposer {name!r} failed in end() after an interrupted batch ({exc!r})",
+                                  stacklevel=2)
+        raise
     return [r.result for r in rows]
 
 

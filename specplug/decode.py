@@ -131,68 +131,79 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
             warnings.warn(f"proposer {name!r} failed in begin() ({exc!r}); decoding target-only", stacklevel=2)
             active, warned = None, True
 
-    while True:
-        remaining = max_new_tokens - len(seq.output_ids)
-        # never draft past the token budget or the model's positions: k + 1 tokens may be emitted
-        k_max = max(0, min(remaining - 1, limit - len(seq.ids) - 1)) if active else 0
-        k = k_max and max(0, min(int(ask_policy("choose", k_max)), k_max))
-        t0 = time.perf_counter()
-        proposal, fell_back = None, False
-        if active is not None and k > 0:
-            try:
-                proposal = active.propose(seq, k)
-            except Exception as exc:
-                if strict:
-                    raise fail(f"propose() raised {exc!r}") from exc
-                fell_back = True
-                if not warned:
-                    warnings.warn(f"proposer {name!r} raised {exc!r}; falling back to target-only steps "
-                                  "(counted in stats.fallback_steps; strict=True makes this an error)", stacklevel=2)
-                    warned = True
-            if proposal is not None and proposal.k > k:
-                raise fail(f"proposed {proposal.k} tokens when asked for at most {k}")
-        if proposal is None:
-            proposal = Proposal.empty(target.device)
-        else:
-            try:  # before scoring: a bad id must never reach the model
-                validate_proposal(proposal, target.vocab_size)
-            except ProposalError as exc:
-                raise fail(str(exc)) from exc
-        t1 = time.perf_counter()
-        last = seq.ids[-1]
-        p_target, scores = target.score(state, [last, *proposal.tokens.tolist()], sampling, features)
-        t2 = time.perf_counter()
-        verdict: Verdict = verify(p_target, proposal, seq.rng, validate=False)
-        t3 = time.perf_counter()
-        # keep [last, accepted drafts] in the cache; the emitted token is fed by the next step
-        target.rollback(state, len(seq.ids) + verdict.accepted)
+    try:
+        while True:
+            remaining = max_new_tokens - len(seq.output_ids)
+            # never draft past the token budget or the model's positions: k + 1 tokens may be emitted
+            k_max = max(0, min(remaining - 1, limit - len(seq.ids) - 1)) if active else 0
+            k = k_max and max(0, min(int(ask_policy("choose", k_max)), k_max))
+            t0 = time.perf_counter()
+            proposal, fell_back = None, False
+            if active is not None and k > 0:
+                try:
+                    proposal = active.propose(seq, k)
+                except Exception as exc:
+                    if strict:
+                        raise fail(f"propose() raised {exc!r}") from exc
+                    fell_back = True
+                    if not warned:
+                        warnings.warn(f"proposer {name!r} raised {exc!r}; falling back to target-only steps "
+                                      "(counted in stats.fallback_steps; strict=True makes this an error)", stacklevel=2)
+                        warned = True
+                if proposal is not None and proposal.k > k:
+                    raise fail(f"proposed {proposal.k} tokens when asked for at most {k}")
+            if proposal is None:
+                proposal = Proposal.empty(target.device)
+            else:
+                try:  # before scoring: a bad id must never reach the model
+                    validate_proposal(proposal, target.vocab_size)
+                except ProposalError as exc:
+                    raise fail(str(exc)) from exc
+            t1 = time.perf_counter()
+            last = seq.ids[-1]
+            p_target, scores = target.score(state, [last, *proposal.tokens.tolist()], sampling, features)
+            t2 = time.perf_counter()
+            verdict: Verdict = verify(p_target, proposal, seq.rng, validate=False)
+            t3 = time.perf_counter()
+            # keep [last, accepted drafts] in the cache; the emitted token is fed by the next step
+            target.rollback(state, len(seq.ids) + verdict.accepted)
+            if active is not None:
+                ask_policy("update", proposal.k, verdict.accepted, t1 - t0, t2 - t1)
+            if features:
+                verdict.features = {n: f[: verdict.accepted + 1] for n, f in scores.features.items()}
+
+            emitted, reason = _emit(target, seq, verdict.tokens, remaining, eos, stop, max_stop)
+            if active is not None and not fell_back:
+                try:
+                    active.observe(seq, verdict)
+                except Exception as exc:
+                    if strict:
+                        raise fail(f"observe() raised {exc!r}") from exc
+                    warnings.warn(f"proposer {name!r} failed in observe() ({exc!r}); decoding target-only", stacklevel=2)
+                    active, warned = None, True
+            stats.fallback_steps += fell_back
+            stats.draft_time += t1 - t0
+            stats.target_time += t2 - t1
+            stats.verify_time += t3 - t2
+            stats.record_step(k, proposal.k, verdict.accepted, len(emitted), time.perf_counter() - t0)
+            if emitted:
+                yield emitted
+            if not reason and len(seq.ids) >= limit:
+                reason = "max_positions"
+            if reason:
+                stats.finish_reason = reason
+                break
+
+    except BaseException:
+        # an error, or a consumer that abandoned the stream (GeneratorExit): the proposer still hears end(),
+        # so per-request state it keeps outside seq (e.g. suffix's live set) does not leak
         if active is not None:
-            ask_policy("update", proposal.k, verdict.accepted, t1 - t0, t2 - t1)
-        if features:
-            verdict.features = {n: f[: verdict.accepted + 1] for n, f in scores.features.items()}
-
-        emitted, reason = _emit(target, seq, verdict.tokens, remaining, eos, stop, max_stop)
-        if active is not None and not fell_back:
             try:
-                active.observe(seq, verdict)
-            except Exception as exc:
-                if strict:
-                    raise fail(f"observe() raised {exc!r}") from exc
-                warnings.warn(f"proposer {name!r} failed in observe() ({exc!r}); decoding target-only", stacklevel=2)
-                active, warned = None, True
-        stats.fallback_steps += fell_back
-        stats.draft_time += t1 - t0
-        stats.target_time += t2 - t1
-        stats.verify_time += t3 - t2
-        stats.record_step(k, proposal.k, verdict.accepted, len(emitted), time.perf_counter() - t0)
-        if emitted:
-            yield emitted
-        if not reason and len(seq.ids) >= limit:
-            reason = "max_positions"
-        if reason:
-            stats.finish_reason = reason
-            break
-
+                active.end(seq)
+            except Exception as exc:  # never mask the original exception
+                warnings.warn(f"proposer {name!r} failed in end() after an interrupted decode ({exc!r})",
+                              stacklevel=2)
+        raise
     if active is not None:
         active.end(seq)
     stats.wall_time = time.perf_counter() - t_start

@@ -125,3 +125,49 @@ def test_stats_report_the_speculation_metrics(tiny_dirs, tiny_target):
         assert key in d
     agg = specplug.aggregate([s, s])
     assert agg["new_tokens"] == 200 and agg["requests"] == 2
+
+
+class EndCounter(specplug.types.Proposer):
+    """Proposes nothing useful; counts begin() and end() calls."""
+
+    name = "end-counter"
+
+    def __init__(self, fail_at=None):
+        self.begun = self.ended = self.calls = 0
+        self.fail_at = fail_at
+
+    def begin(self, seq):
+        self.begun += 1
+
+    def propose(self, seq, k):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("boom")
+        return specplug.Proposal.point_mass([seq.ids[-1]] * k)
+
+    def end(self, seq):
+        self.ended += 1
+
+
+def test_proposer_hears_end_when_a_stream_is_abandoned_or_decoding_fails(tiny_target):
+    counter = EndCounter()
+    chunks = specplug.stream(tiny_target, counter, "def add(a, b):", max_new_tokens=40)
+    next(chunks)
+    chunks.close()  # the consumer walks away
+    assert (counter.begun, counter.ended) == (1, 1)
+    failing = EndCounter(fail_at=2)
+    with pytest.raises(specplug.SpeculationError):
+        specplug.generate(tiny_target, failing, "def add(a, b):", max_new_tokens=40, strict=True)
+    assert (failing.begun, failing.ended) == (1, 1)
+    done = EndCounter()
+    specplug.generate(tiny_target, done, "def add(a, b):", max_new_tokens=10)
+    assert (done.begun, done.ended) == (1, 1)
+
+
+def test_batch_rows_hear_end_when_the_batch_fails(tiny_target):
+    from specplug.batch import generate_batch
+
+    failing = EndCounter(fail_at=3)
+    with pytest.raises(specplug.SpeculationError):
+        generate_batch(tiny_target, failing, ["def add(a, b):", "import os\n"], max_new_tokens=30, strict=True)
+    assert failing.begun == 2 and failing.ended == 2
