@@ -148,12 +148,15 @@ def _numbers(text: str, kind=float) -> list:
               help="Load bench instead: goodput and latency per batch size for no speculation, fixed γ and "
                    "the heuristic and cost-model policies, the latter cold (fresh per run) and warm (kept "
                    "across runs, as a server keeps it) (first temperature only).")
+@click.option("--requests", type=click.IntRange(min=1), default=None,
+              help="Load bench: requests per run (default: the largest batch size). More requests give a longer, "
+                   "steadier run per batch size.")
 @click.option("--html", "html_path", default="report.html", show_default=True, help="HTML report ('' for none).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema specplug.compare/1).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
 def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, temperatures, max_new_tokens,
-            repeats, peer, batch_sizes, html_path, as_json, device, dtype) -> None:
+            repeats, peer, batch_sizes, requests, html_path, as_json, device, dtype) -> None:
     """Compare proposers side by side against target-only decoding on real workloads."""
     import specplug
     from specplug.bench import compare as bench
@@ -177,7 +180,7 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
     err = Console(stderr=True)
     if batch_sizes:
         _load_bench(tgt, specs, workloads, _numbers(batch_sizes, int), gamma_list, temp_list[0], max_new_tokens,
-                    repeats, as_json, err)
+                    repeats, as_json, err, requests)
         return
     attached, _ = bench.attachable(tgt, specs)
     peer_runs = (2 if any(s.name == "draft-model" for s in attached) else 1) * len(gamma_list) if peer else 0
@@ -200,7 +203,8 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
         err.print(f"report written to {html_path}")
 
 
-def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_new_tokens, repeats, as_json, err):
+def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_new_tokens, repeats, as_json, err,
+                requests=None):
     from rich.progress import Progress
 
     from specplug.bench import load
@@ -218,7 +222,7 @@ def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_
         task = bar.add_task("load", total=load.count_runs(attached, batch_sizes, gammas, policies, repeats))
         report = load.run_load(target, specs, batch_sizes=batch_sizes, gammas=gammas, policies=policies,
                                max_new_tokens=max_new_tokens, prompts=prompts, temperature=temperature,
-                               repeats=repeats, progress=lambda n, note: bar.update(task, advance=n, description=note))
+                               repeats=repeats, requests=requests, progress=lambda n, note: bar.update(task, advance=n, description=note))
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
