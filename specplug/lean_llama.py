@@ -108,40 +108,44 @@ class LeanLayer:
         w = self.qkv[0]
         return LayerCache(self.kv_heads, self.head_dim, w.device, w.dtype)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """x [T, h]: T new positions after ``cache.length`` cached ones; cos/sin [T, head_dim] of their positions."""
-        layer, H, G, d = self.layer, self.heads, self.kv_heads, self.head_dim
-        T, start = x.shape[0], cache.length
-        qkv = few_rows.linear(_rms_norm(x, layer.input_layernorm), *self.qkv).view(T, H + 2 * G, d)
-        qk = _rotate(qkv[:, : H + G], cos[:, None], sin[:, None])  # rotary on q and k at once
-        q, k, v = qk[:, :H].transpose(0, 1), qk[:, H:].transpose(0, 1), qkv[:, H + G:].transpose(0, 1)
-        keys, values = cache.append(k, v)
-        mask = None
-        if T > 1:  # query i sits at start + i and may see keys 0..start + i
-            mask = torch.arange(start + T, device=x.device)[None] <= torch.arange(start, start + T, device=x.device)[:, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling, enable_gqa=H != G)
-        x = x + layer.self_attn.o_proj(out.transpose(0, 1).reshape(T, -1))
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Rotated q, k and v of rows x [N, h]: each [N, heads, head_dim] (rotary on q and k at once)."""
+        H, G = self.heads, self.kv_heads
+        qkv = few_rows.linear(_rms_norm(x, self.layer.input_layernorm), *self.qkv).view(x.shape[0], H + 2 * G, -1)
+        qk = _rotate(qkv[:, : H + G], cos[:, None], sin[:, None])
+        return qk[:, :H], qk[:, H:], qkv[:, H + G:]
+
+    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Output projection and residual, then the MLP block: attended [N, heads·head_dim] -> [N, h]."""
+        layer = self.layer
+        x = x + layer.self_attn.o_proj(attended)
         gate, up = few_rows.linear(_rms_norm(x, layer.post_attention_layernorm), *self.gate_up).split(self.inter, -1)
         return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """x [T, h]: T new positions after ``cache.length`` cached ones; cos/sin [T, head_dim] of their positions."""
+        T, start = x.shape[0], cache.length
+        q, k, v = self._qkv(x, cos, sin)
+        keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))
+        mask = None
+        if T > 1:  # query i sits at start + i and may see keys 0..start + i
+            mask = torch.arange(start + T, device=x.device)[None] <= torch.arange(start, start + T, device=x.device)[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return self._finish(x, out.transpose(0, 1).reshape(T, -1))
 
     def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[LayerCache]) -> torch.Tensor:
         """One new position in each of B sequences: x [B, h], cos/sin [B, head_dim], one cache per row.
 
         The products run once for all rows (the weights are read once); attention runs per row over its own
         cache, since the rows' lengths differ."""
-        layer, H, G, d = self.layer, self.heads, self.kv_heads, self.head_dim
-        B = x.shape[0]
-        qkv = few_rows.linear(_rms_norm(x, layer.input_layernorm), *self.qkv).view(B, H + 2 * G, d)
-        qk = _rotate(qkv[:, : H + G], cos[:, None], sin[:, None])
+        q, k, v = self._qkv(x, cos, sin)
         outs = []
         for b, cache in enumerate(caches):
-            keys, values = cache.append(qk[b, H:, None], qkv[b, H + G:, None])
-            outs.append(F.scaled_dot_product_attention(qk[b, :H, None], keys, values, scale=self.scaling,
-                                                       enable_gqa=H != G))
-        x = x + layer.self_attn.o_proj(torch.stack(outs).reshape(B, -1))
-        gate, up = few_rows.linear(_rms_norm(x, layer.post_attention_layernorm), *self.gate_up).split(self.inter, -1)
-        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            keys, values = cache.append(k[b, :, None], v[b, :, None])
+            outs.append(F.scaled_dot_product_attention(q[b, :, None], keys, values, scale=self.scaling,
+                                                       enable_gqa=self.heads != self.kv_heads))
+        return self._finish(x, torch.stack(outs).reshape(x.shape[0], -1))
 
 
 class LeanCache:

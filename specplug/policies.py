@@ -155,7 +155,8 @@ class CostModelPolicy(GammaPolicy):
     Costs are measured, never assumed: at a batch size with no estimate it first runs a plain step (k = 0),
     then one drafted token in every row, twice (the first pays the drafter's backlog), then one full draft,
     then decides. After ``probe_every`` steps at k = 0 it drafts one token once, so a
-    proposer that starts paying again is noticed; each probe that changes nothing doubles the wait (up to
+    proposer that starts paying again is noticed, and it switches back on only for a predicted gain above
+    ``switch_on_margin`` (every drafter then catches up on what it missed); each probe that changes nothing doubles the wait (up to
     16×), so probing costs little where speculation never pays. In a batch (``choose_batch``) it picks one k for the step,
     maximising the tokens all rows emit per second of the step, since every row waits for the longest draft
     and all drafting. ``costs`` may be replaced (tests use a controlled one).
@@ -164,8 +165,9 @@ class CostModelPolicy(GammaPolicy):
     name = "cost-model"
 
     def __init__(self, max_gamma: int = 8, decay: float = 0.8, prior_alpha: float = 0.6, probe_every: int = 16,
-                 costs: MeasuredCosts | None = None):
+                 costs: MeasuredCosts | None = None, switch_on_margin: float = 0.1):
         self.max_gamma, self.decay, self.prior_alpha, self.probe_every = max_gamma, decay, prior_alpha, probe_every
+        self.switch_on_margin = switch_on_margin
         self.costs = costs or MeasuredCosts(decay)
         self.alpha_by_proposer: dict[str, float] = {}
         self._batch_idle, self._batch_wait = 0, probe_every
@@ -188,11 +190,11 @@ class CostModelPolicy(GammaPolicy):
     def begin(self, seq):
         self._state(seq)
 
-    def best_k(self, alpha: float, max_k: int, batch_size: int = 1) -> int:
-        k = self._best([alpha], [max_k], batch_size)
+    def best_k(self, alpha: float, max_k: int, batch_size: int = 1, off: bool = False) -> int:
+        k = self._best([alpha], [max_k], batch_size, off)
         return 1 if k < 0 else k
 
-    def _best(self, alphas: list[float], max_ks: list[int], batch_size: int) -> int:
+    def _best(self, alphas: list[float], max_ks: list[int], batch_size: int, off: bool = False) -> int:
         """The k (capped per row by max_ks) maximising the rows' expected tokens per second of one step."""
         cap = min(self.max_gamma, max(max_ks))
         if cap <= 0:
@@ -217,6 +219,10 @@ class CostModelPolicy(GammaPolicy):
         # the smallest k within 1% of the best: measured costs are noisy, and drafting that buys nothing
         # should not win a tie
         best = max(rates)
+        if off and best < (1 + self.switch_on_margin) * rates[0]:
+            # switching speculation on makes every drafter catch up on what it missed: a small predicted gain
+            # would not repay that (and would flap on noise)
+            return 0
         return next(k for k, r in enumerate(rates) if r >= 0.99 * best)
 
     def _probe(self, idle: int, wait: int, k: int, can_draft: bool) -> tuple[int, int, int]:
@@ -233,7 +239,7 @@ class CostModelPolicy(GammaPolicy):
 
     def choose(self, seq, max_k):
         state = self._state(seq)
-        k = self.best_k(self._alpha(seq), max_k, seq.scratch.get("batch_size", 1))
+        k = self.best_k(self._alpha(seq), max_k, seq.scratch.get("batch_size", 1), state["idle"] > 0)
         k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, max_k > 0)
         return k
 
@@ -241,7 +247,7 @@ class CostModelPolicy(GammaPolicy):
         """One k for the whole step (each row capped by its own max_k); a probe drafts one token in one row
         only (the likeliest to be accepted), which is all it needs to learn whether α has changed."""
         alphas = [self._alpha(s) for s in seqs]
-        k = self._best(alphas, list(max_ks), len(seqs))
+        k = self._best(alphas, list(max_ks), len(seqs), self._batch_idle > 0)
         if k < 0:  # measuring
             return [min(1, m) for m in max_ks]
         idle = k == 0

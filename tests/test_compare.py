@@ -45,9 +45,11 @@ def test_load_bench_reports_goodput_per_batch_size_with_policies(tiny_dirs, tmp_
     prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os\\n"}\n')
     result = CliRunner().invoke(main, [
         "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "-w", str(prompts), "--gammas", "2",
-        "--max-new-tokens", "8", "--batch-sizes", "1,2", "--repeats", "1", "--json"], catch_exceptions=False)
+        "--max-new-tokens", "8", "--batch-sizes", "1,2", "--repeats", "1", "--requests", "3", "--json"],
+        catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
+    assert report["settings"]["requests"] == 3
     text = json.dumps(report)
-    for label in ("heuristic", "cost-model"):
+    for label in ("heuristic", "cost-model", "cost-model warm"):
         assert label in text

@@ -202,3 +202,14 @@ def test_measured_costs_learn_how_drafting_scales_with_the_rows_drafting():
     assert costs.draft_time(2, 4) == pytest.approx(2 * (0.001 + 0.0005 * 3 / 7))
     costs.observe(16, 0.100, 0.020, 8, scored=3, draft_clean=False, draft_rows=8)  # paid a backlog: ignored
     assert costs.draft_time(1, 8) == pytest.approx(0.0015)
+
+
+def test_cost_model_switches_back_on_only_for_a_clear_gain(tiny_target):
+    # α = 0.2 with ControlledCosts: drafting one token is predicted 5% faster than not drafting
+    policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=1000)
+    seq = seq_state(tiny_target)
+    seq.scratch["policy:cost-model"] = {"successes": 0.2, "trials": 1.0, "idle": 0, "wait": 1000}
+    assert policy.choose(seq, 4) == 1  # speculating already: keep the better k
+    seq.scratch["policy:cost-model"]["idle"] = 3
+    assert policy.choose(seq, 4) == 0  # off: 5% does not repay every drafter's catching up
+    assert CostModelPolicy(max_gamma=4, costs=ControlledCosts(), switch_on_margin=0.0).best_k(0.2, 4, off=True) == 1
