@@ -16,7 +16,7 @@ import torch
 from specplug import zoo
 from specplug.plugins.hookspecs import hookimpl
 from specplug.lean_llama import LeanCache, lean_or_reason
-from specplug.sampling import processed_probs
+from specplug.sampling import draw, multinomial
 from specplug.target import KVState, Target, load_causal_lm, load_tokenizer
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
 
@@ -75,16 +75,12 @@ class DraftModelProposer(Proposer):
         state = self._state(seq)
         # the cache covers a prefix of seq.ids; feed what it lacks (the prompt at first, then 1-2 tokens)
         logits = self._next_logits(state, seq.ids[state.length:])
-        greedy = seq.sampling.greedy
         tokens, q_rows = [], []
         for i in range(k):
-            if greedy:  # q is the point mass at the argmax (the same argmax processed_probs takes)
-                token = int(logits.float().argmax())
-            else:
-                q = processed_probs(logits, seq.sampling)
-                token = self._sample(q, seq.rng)
-                q_rows.append(q)
+            token, q = draw(logits, seq.sampling, seq.rng, self._sample)
             tokens.append(token)
+            if q is not None:
+                q_rows.append(q)
             if i + 1 < k:
                 logits = self._next_logits(state, [token])
         device = seq.target.device
@@ -109,19 +105,15 @@ class DraftModelProposer(Proposer):
         live, feed = rows, [seqs[j].ids[-1] for j in rows]
         while live:
             logits = self.lean.forward_rows([states[j] for j in live], feed)
-            if all(seqs[j].sampling.greedy for j in live):
-                picked = logits.float().argmax(-1).tolist()
+            if all(seqs[j].sampling.greedy for j in live):  # one argmax for all rows
+                for j, token in zip(live, logits.float().argmax(-1).tolist()):
+                    tokens[j].append(token)
             else:
-                picked = []
                 for row, j in enumerate(live):
-                    if seqs[j].sampling.greedy:
-                        picked.append(int(logits[row].float().argmax()))
-                    else:
-                        q = processed_probs(logits[row], seqs[j].sampling)
-                        picked.append(self._sample(q, seqs[j].rng))
+                    token, q = draw(logits[row], seqs[j].sampling, seqs[j].rng, self._sample)
+                    tokens[j].append(token)
+                    if q is not None:
                         q_rows[j].append(q)
-            for j, token in zip(live, picked):
-                tokens[j].append(token)
             # a row's last draft is never fed (propose does the same): the next step feeds what was accepted
             live = [j for j in live if len(tokens[j]) < ks[j]]
             feed = [tokens[j][-1] for j in live]
@@ -135,9 +127,7 @@ class DraftModelProposer(Proposer):
                 out.append(Proposal(torch.tensor(tokens[j], device=device), q))
         return out
 
-    @staticmethod
-    def _sample(q: torch.Tensor, rng: torch.Generator) -> int:
-        return int(torch.multinomial(q, 1, generator=rng))
+    _sample = staticmethod(multinomial)  # the draw from q (a test's dishonest subclass replaces it)
 
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:
         # keep only what matches the accepted sequence: everything but its newest token at most

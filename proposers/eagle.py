@@ -26,7 +26,7 @@ from torch import nn
 from specplug import few_rows, heads, zoo
 from specplug.lean_llama import LayerCache, LeanLayer, RopeTable
 from specplug.plugins.hookspecs import hookimpl
-from specplug.sampling import processed_probs
+from specplug.sampling import draw
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
 
 KIND = "eagle"
@@ -221,14 +221,10 @@ class EagleProposer(Proposer):
             st.fed, st.pending = n - 1, []
             drafted, q_rows = [], []
             for j in range(k):
-                logits = lm_head(f_hat)
-                if seq.sampling.greedy:  # q is the point mass at the argmax
-                    token = int(logits.float().argmax())
-                else:
-                    q = processed_probs(logits, seq.sampling)
-                    token = int(torch.multinomial(q, 1, generator=seq.rng))
-                    q_rows.append(q)
+                token, q = draw(lm_head(f_hat), seq.sampling, seq.rng)
                 drafted.append(token)
+                if q is not None:
+                    q_rows.append(q)
                 if j + 1 < k:
                     tok = torch.tensor([token], device=device)
                     f_hat = self._step(f_hat[None], emb(tok), n - 1 + j, st.cache)[-1]

@@ -66,6 +66,22 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
+def multinomial(q: torch.Tensor, rng: torch.Generator) -> int:
+    """One token id drawn from the distribution q [V] with ``rng``."""
+    return int(torch.multinomial(q, 1, generator=rng))
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator,
+         sample=multinomial) -> tuple[int, torch.Tensor | None]:
+    """A drafter's token from ``logits`` [V] and the q it was drawn from: under greedy decoding the argmax and
+    None (the point mass there: the same argmax processed_probs takes), else a ``sample(q, rng)`` from the
+    processed distribution q."""
+    if params.greedy:
+        return int(logits.float().argmax()), None
+    q = processed_probs(logits, params)
+    return sample(q, rng), q
+
+
 def q_from_counts(rows, tokens: list[int], vocab_size: int, device) -> torch.Tensor:
     """A dense [k, V] q from count rows, for frequency-based drafters (ngram counts, suffix).
 
