@@ -318,6 +318,14 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
                           "error)", stacklevel=3)
             warned[0] = True
 
+    def proposer_dropped(row: _Row, where: str, exc: Exception) -> None:
+        """begin() or observe() failed: the row's proposer state is unknown, so the row decodes target-only."""
+        if strict:
+            raise fail(row, f"{where}() raised {exc!r}") from exc
+        warnings.warn(f"proposer {name!r} failed in {where}() ({exc!r}) for batch row {row.index}; that row "
+                      "decodes target-only", stacklevel=3)
+        row.active, warned[0] = None, True
+
     def admit(new: list[_Row]) -> None:
         """Prefill the new rows (all but each prompt's last token) and append them to the batch."""
         t0 = time.perf_counter()
@@ -342,11 +350,7 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
                 try:
                     proposer.begin(r.seq)
                 except Exception as exc:
-                    if strict:
-                        raise fail(r, f"begin() raised {exc!r}") from exc
-                    warnings.warn(f"proposer {name!r} failed in begin() ({exc!r}) for batch row {r.index}; that "
-                                  "row decodes target-only", stacklevel=3)
-                    r.active, warned[0] = None, True
+                    proposer_dropped(r, "begin", exc)
         batch = _concat(batch, fresh) if active else fresh
         active.extend(new)
         for j, r in enumerate(active):
@@ -492,11 +496,7 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
                     try:
                         row.active.observe(seq, verdict)
                     except Exception as exc:
-                        if strict:
-                            raise fail(row, f"observe() raised {exc!r}") from exc
-                        warnings.warn(f"proposer {name!r} failed in observe() ({exc!r}) for batch row {row.index}; "
-                                      "that row decodes target-only", stacklevel=2)
-                        row.active, warned[0] = None, True
+                        proposer_dropped(row, "observe", exc)
                 stats.fallback_steps += fell[j]
                 stats.draft_time += draft_times[j]
                 stats.target_time += t2 - t1
