@@ -44,7 +44,8 @@ class DraftModelProposer(Proposer):
                 dtype = getattr(torch, dtype)
             lm = load_causal_lm(model, device=device, dtype=dtype or target.dtype, trust_remote_code=trust_remote_code)
             tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
-        self.draft = Target(lm, tokenizer, name=str(getattr(lm.config, "_name_or_path", "")) or "draft")
+        # the lean path is chosen below (fast=); the Target wrapper is for HF's forward, vocabulary and text
+        self.draft = Target(lm, tokenizer, name=str(getattr(lm.config, "_name_or_path", "")) or "draft", lean=False)
         _check_vocabulary(target, self.draft)
         self.lean, self.lean_note = lean_or_reason(lm) if fast else (None, "fast=False")
 

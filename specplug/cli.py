@@ -183,7 +183,7 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
                     repeats, as_json, err, requests)
         return
     attached, _ = bench.attachable(tgt, specs)
-    peer_runs = (2 if any(s.name == "draft-model" for s in attached) else 1) * len(gamma_list) if peer else 0
+    peer_runs = (1 + (2 if any(s.name == "draft-model" for s in attached) else 1) * len(gamma_list)) if peer else 0
     total = bench.count_runs(attached, workloads, gamma_list, temp_list, repeats, peer_runs)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("comparing", total=total)

@@ -1,13 +1,15 @@
-"""A lean single-sequence forward for Llama-architecture drafters, on the HF module's own weights.
+"""A lean single-sequence forward for Llama-architecture models (drafters and targets), on HF's own weights.
 
 Why: a drafter runs one token per call, and for a 1-layer model HF's per-call machinery (mask building,
 cache objects, output dataclasses, hooks) costs several times the arithmetic (measured: 1.4 ms per call for
 the zoo draft, of which 0.3 ms is matmuls). This path does the same arithmetic with a dozen tensor ops per
 layer and a preallocated KV cache whose rollback is a length reset.
 
-It never touches exactness: whatever logits it produces, the drafter samples its token from the q it reports,
-and the verifier corrects for q. A mismatch with HF would only cost acceptance — and :func:`lean_or_reason`
-refuses the fast path unless it reproduces HF's logits on a probe, so users never silently lose acceptance.
+For a drafter it never touches exactness: whatever logits it produces, the drafter samples its token from the
+q it reports, and the verifier corrects for q. For a target it is the forward that defines p, for target-only
+and speculative decoding alike (HF's forward of a 6-layer target spends a fifth of a step outside arithmetic).
+Either way :func:`lean_or_reason` refuses the fast path unless it reproduces HF's logits on a probe, so the
+model users loaded is the model that runs.
 """
 from __future__ import annotations
 
@@ -162,6 +164,9 @@ class LeanCache:
         for layer in self.layers:
             layer.crop(length)
 
+    def get_seq_length(self) -> int:  # HF's cache API, for code that checks either kind
+        return self.length
+
 
 class LeanLlama:
     """The forward of an HF ``LlamaForCausalLM`` for one sequence, sharing its weights (nothing is copied)."""
@@ -177,17 +182,28 @@ class LeanLlama:
         return LeanCache([layer.new_cache() for layer in self.layers])
 
     def forward(self, cache: LeanCache, tokens: list[int] | torch.Tensor, last_only: bool = True) -> torch.Tensor:
-        """Logits [V] of the last token (or [T, V] of all) after running ``tokens`` past the cached ones."""
+        """Logits of the last token [V] (or of all, [T, V]) after running ``tokens`` past the cached ones."""
+        logits, _ = self.run(cache, tokens, keep=1 if last_only else 0)
+        return logits[-1] if last_only else logits
+
+    def run(self, cache: LeanCache, tokens: list[int] | torch.Tensor, keep: int = 0,
+            hidden: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Logits [keep or T, V] of the last ``keep`` tokens (all when 0) and the hidden states [T, h] numbered
+        as HF's ``hidden_states``: 0 is the embeddings, i the output of layer i, the last one final-normed."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
+        states: dict[int, torch.Tensor] = {}
+        top = len(self.layers)
         with torch.inference_mode():
             x = self.model.model.embed_tokens(ids)
             cos, sin = self.rope.get(cache.length, ids.shape[0])
-            for layer, layer_cache in zip(self.layers, cache.layers):
+            for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
+                if i in hidden:
+                    states[i] = x
                 x = layer(x, cos, sin, layer_cache)
-            if last_only:
-                x = x[-1]
-            return self.model.lm_head(_rms_norm(x, self.model.model.norm))
-
+            x = _rms_norm(x, self.model.model.norm)
+            if top in hidden:
+                states[top] = x
+            return self.model.lm_head(x[-keep:] if keep else x), states
 
     def forward_rows(self, caches: list[LeanCache], tokens: list[int]) -> torch.Tensor:
         """One token after each of B sequences' cached ones, in one pass: logits [B, V]."""

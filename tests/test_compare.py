@@ -35,6 +35,20 @@ def test_tiny_compare_run_yields_schema_json_and_html_with_every_plot(tiny_dirs,
     assert page.count("data:image/png;base64,") == len(PLOTS)
 
 
+def test_hf_peer_runs_on_the_same_prompts_and_its_greedy_tokens_equal_ours(tiny_dirs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    result = CliRunner().invoke(main, [
+        "compare", "--target", str(tiny_dirs["target"]), "-p", f"draft-model:model={tiny_dirs['draft']}",
+        "-p", "ngram", "-w", str(prompts), "--gammas", "2", "--temperatures", "0", "--max-new-tokens", "16",
+        "--peer", "hf", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    peer = {p["peer"]: p for p in json.loads(result.stdout)["peer"]}
+    assert set(peer) == {"hf-target-only", "hf-assisted", "hf-prompt-lookup"}
+    assert peer["hf-target-only"]["ours"] == "target-only" and peer["hf-target-only"]["gamma"] == 0
+    assert all(p["greedy_equal_to_ours"] is True and p["ours_over_peer"] > 0 for p in peer.values())
+
+
 def test_compare_rejects_an_unknown_workload(tiny_dirs):
     result = CliRunner().invoke(main, ["compare", "--target", str(tiny_dirs["target"]), "-w", "nonsense"])
     assert result.exit_code != 0 and "unknown workload 'nonsense'" in result.output

@@ -1,5 +1,6 @@
-"""The lean drafter forward: same logits as HF through prefills, single steps and rollbacks; refused (with the
-reason) wherever it could differ; and the draft-model proposer decodes the same with and without it."""
+"""The lean forward: same logits as HF through prefills, single steps and rollbacks; refused (with the reason)
+wherever it could differ; and the draft-model proposer and the target decode the same with and without it."""
+import pytest
 import torch
 
 import specplug
@@ -11,7 +12,7 @@ from specplug.testing import tiny_llama
 
 
 def test_lean_forward_matches_hf_through_steps_and_rollbacks(tiny_dirs):
-    draft = specplug.Target.from_pretrained(tiny_dirs["target"])  # 2 layers, grouped-query attention
+    draft = specplug.Target.from_pretrained(tiny_dirs["target"], lean=False)  # 2 layers, grouped-query attention
     lean, why = lean_or_reason(draft.model)
     assert lean is not None, why
     hf_state, cache = KVState(), lean.new_cache()
@@ -44,6 +45,51 @@ def test_lean_path_that_disagrees_with_hf_is_refused(tiny_dirs, monkeypatch):
     monkeypatch.setattr(lean_llama, "_rotate", lambda x, cos, sin: x)  # a lean path that forgot rotary positions
     lean, why = lean_or_reason(draft.model)
     assert lean is None and "differ" in why
+
+
+def test_lean_target_scores_and_features_equal_hf_forward_through_rollbacks(tiny_dirs):
+    lean = specplug.Target.from_pretrained(tiny_dirs["target"])
+    hf = specplug.Target.from_pretrained(tiny_dirs["target"], lean=False)
+    assert lean.lean is not None and hf.lean is None and hf.lean_note == "lean=False"
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, lean.vocab_size, (40,), generator=gen).tolist()
+    states = {t: t.prefill(ids[:12]) for t in (lean, hf)}
+    at = 11
+    for n in (5, 1, 3, 6, 2):
+        got, want = (t.forward(states[t], ids[at:at + n], features=("last", "layer:0", "layer:1")) for t in (lean, hf))
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+        for name in want.features:
+            torch.testing.assert_close(got.features[name], want.features[name], atol=1e-4, rtol=1e-4)
+        at += n - 1  # keep all but the last token, as a step with one rejection does
+        for t in (lean, hf):
+            t.rollback(states[t], at)
+        assert states[lean].cache.get_seq_length() == states[hf].cache.get_seq_length() == at
+    with pytest.raises(ValueError, match="layer:9"):
+        lean.forward(states[lean], ids[:1], features=("layer:9",))
+
+
+def test_target_only_and_speculative_decoding_match_across_lean_and_hf_targets(tiny_dirs):
+    lean = specplug.Target.from_pretrained(tiny_dirs["target"])
+    hf = specplug.Target.from_pretrained(tiny_dirs["target"], lean=False)
+    for target in (lean, hf):
+        prop = DraftModelProposer(target=target, model=tiny_dirs["draft"])
+        target.greedy = specplug.generate(target, None, "def add(a, b):", max_new_tokens=50,
+                                          sampling=specplug.GREEDY).tokens
+        target.spec = specplug.generate(target, prop, "def add(a, b):", max_new_tokens=50, sampling=specplug.GREEDY,
+                                        num_speculative_tokens=3).tokens
+    assert lean.greedy == hf.greedy == lean.spec == hf.spec
+
+
+def test_non_llama_target_keeps_hf_forward_and_says_why():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    small = dict(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    target = specplug.Target(MistralForCausalLM(MistralConfig(**small, num_key_value_heads=1)).eval())
+    assert target.lean is None and "MistralForCausalLM" in target.lean_note
+    state = target.prefill([1, 2, 3])
+    assert target.forward(state, [3, 4]).logits.shape == (2, 20)
+    target.rollback(state, 3)
+    assert state.cache.get_seq_length() == 3
 
 
 def test_draft_model_uses_lean_path_and_decodes_as_the_hf_path(tiny_dirs, tiny_target):

@@ -123,6 +123,7 @@ def run_compare(target: Target, specs: Sequence[ProposerSpec], workloads: Sequen
     # which of our cells each peer is measured against: the first spec of the matching proposer
     ours = {peer_name: next((s.label for s in specs if s.name == name), None)
             for peer_name, name in (("hf-assisted", "draft-model"), ("hf-prompt-lookup", "ngram"))}
+    ours["hf-target-only"] = "target-only"
     return _report(target, runs, ours, skipped, memory, workloads, gammas, temperatures, max_new_tokens,
                    repeats, peer)
 
@@ -228,7 +229,10 @@ def _peer(peer: str, target: Target, specs):
 def _peer_row(key, entries, base_by_pair, runs, ours_labels):
     name, g, wl, t = key
     ours_key = (ours_labels[name], wl, t, g)
-    ours = {pair: r for pair, r in runs.get(ours_key, [])}
+    if name == "hf-target-only":  # against our own target-only decoding
+        ours = {pair: r for pair, r in runs[("baseline", wl, t)]}
+    else:
+        ours = {pair: r for pair, r in runs.get(ours_key, [])}
     speedups = [base_by_pair[pair].seconds_per_token / r.seconds_per_token for pair, r in entries]
     ours_over_peer = [r.seconds_per_token / ours[pair].seconds_per_token for pair, r in entries if pair in ours]
     equal = None

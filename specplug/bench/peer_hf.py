@@ -9,7 +9,8 @@ from specplug.metrics import GenerationStats
 
 
 class HFPeer:
-    """Runs ``model.generate(assistant_model=draft)`` and ``generate(prompt_lookup_num_tokens=γ)``.
+    """Runs ``model.generate(assistant_model=draft)`` and ``generate(prompt_lookup_num_tokens=γ)``, and plain
+    ``generate()`` once per prompt (γ = 0): it shows how much of the difference is the forward, not the loop.
 
     HF reads its drafting knobs from the *draft's* generation_config, so they are set there: a constant
     γ and no confidence threshold, to match a fixed-γ specplug run.
@@ -20,6 +21,7 @@ class HFPeer:
 
     def __call__(self, prompt, sampling, max_new_tokens, gammas):
         ids = torch.tensor([self.target.encode(prompt)], device=self.target.device)
+        yield ("hf-target-only", 0), self._run(ids, sampling, max_new_tokens)
         for g in gammas:
             if self.draft is not None:
                 cfg = self.draft.generation_config
