@@ -25,7 +25,7 @@ from torch import nn
 
 from specplug import few_rows, heads, zoo
 from specplug.plugins.hookspecs import hookimpl
-from specplug.sampling import processed_probs
+from specplug.sampling import processed_probs, sample_rows
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
 
 KIND = "mtp"
@@ -179,8 +179,10 @@ class MTPProposer(Proposer):
         with torch.inference_mode():
             logits = self.heads.logits(st.feature.to(self.heads.blocks[0][0].linear.weight.dtype),
                                        self.target.lm_head, n=k)
+            if seq.sampling.greedy:  # q is the point mass at each argmax: no dense q to carry
+                return Proposal(logits.float().argmax(-1).to(device), None)
             q = processed_probs(logits, seq.sampling)  # [k, V]
-            tokens = torch.multinomial(q, 1, generator=seq.rng)[:, 0]
+            tokens = sample_rows(q, seq.rng)
         return Proposal(tokens.to(device), q)
 
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:

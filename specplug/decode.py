@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from specplug.verifier import Proposal, ProposalError, Verdict, validate_proposal, verify
+from specplug.verifier import Proposal, ProposalError, Verdict, validate_proposal, verify, verify_greedy
 
 from .metrics import GenerationStats
 from .policies import FixedPolicy, GammaPolicy
@@ -161,9 +161,14 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
                     raise fail(str(exc)) from exc
             t1 = time.perf_counter()
             last = seq.ids[-1]
-            p_target, scores = target.score(state, [last, *proposal.tokens.tolist()], sampling, features)
+            fed = [last, *proposal.tokens.tolist()]
+            if sampling.greedy:  # p_target is one-hot: the rule needs only its argmax (see verify_greedy)
+                scores = target.forward(state, fed, features)
+            else:
+                p_target, scores = target.score(state, fed, sampling, features)
             t2 = time.perf_counter()
-            verdict: Verdict = verify(p_target, proposal, seq.rng, validate=False)
+            verdict: Verdict = (verify_greedy(scores.logits.float().argmax(-1), proposal) if sampling.greedy
+                                else verify(p_target, proposal, seq.rng, validate=False))
             t3 = time.perf_counter()
             # keep [last, accepted drafts] in the cache; the emitted token is fed by the next step
             target.rollback(state, len(seq.ids) + verdict.accepted)

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from specplug.verifier.rule import sample_from_weights
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -66,9 +68,18 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
+def sample_rows(q: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
+    """One token id per row of the distributions q [n, V], drawn with ``rng``: inverse CDF from one uniform a row.
+
+    Why not ``torch.multinomial``: for one sample it draws V exponentials (0.13 ms over 8,192 tokens on the
+    2-core CPU, a fifth of a draft step); one uniform and a cumulative sum give the same distribution."""
+    u = torch.rand(q.shape[0], generator=rng, device=q.device, dtype=torch.float32)
+    return sample_from_weights(q.float(), u)
+
+
 def multinomial(q: torch.Tensor, rng: torch.Generator) -> int:
     """One token id drawn from the distribution q [V] with ``rng``."""
-    return int(torch.multinomial(q, 1, generator=rng))
+    return int(sample_rows(q.reshape(1, -1), rng)[0])
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator,

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from specplug.verifier import Proposal, ProposalError, verify, verify_batch
+from specplug.verifier import Proposal, ProposalError, verify, verify_batch, verify_greedy
 
 V = 5
 
@@ -53,6 +53,26 @@ def test_greedy_reduces_to_accepting_while_draft_equals_argmax_then_emitting_arg
     for seed in range(5):
         verdict = verify(p, Proposal(torch.tensor([1, 0, 3]), q), torch.Generator().manual_seed(seed))
         assert verdict.accepted == 1 and verdict.tokens == [1, 2]
+
+
+@pytest.mark.parametrize("q_kind", ["point", "one-hot", "dense"])
+def test_greedy_shortcut_gives_the_general_rule_verdict_on_one_hot_p(q_kind):
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (1,), generator=gen))
+        best = torch.randint(0, V, (k + 1,), generator=gen)
+        # drafts agree with the argmax often enough that every accepted length occurs
+        drafts = torch.where(torch.rand(k, generator=gen) < 0.7, best[:k], torch.randint(0, V, (k,), generator=gen))
+        q = None
+        if q_kind == "one-hot":
+            q = torch.stack([one_hot(int(x)) for x in drafts]) if k else torch.zeros(0, V)
+        elif q_kind == "dense":  # any q the drafts could have been drawn from
+            q = torch.softmax(torch.randn(k, V, generator=gen), -1)
+        proposal = Proposal(drafts, q)
+        p = torch.stack([one_hot(int(b)) for b in best])
+        want = verify(p, proposal, torch.Generator().manual_seed(1))
+        got = verify_greedy(best, proposal)
+        assert (got.accepted, got.tokens, got.proposed) == (want.accepted, want.tokens, want.proposed)
 
 
 def test_point_mass_draft_is_accepted_with_probability_p_of_the_token():

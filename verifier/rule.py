@@ -143,6 +143,24 @@ def verify(p_target: torch.Tensor, proposal: Proposal, generator: torch.Generato
     return Verdict(accepted=int(out.accepted[0]), proposed=k, tokens=out.row(0))
 
 
+def verify_greedy(target_argmax: torch.Tensor | list[int], proposal: Proposal) -> Verdict:
+    """The rule when every p_target row is one-hot (temperature 0), given the argmax of each of the k+1 rows.
+
+    With p one-hot at a, p(x)/q(x) is 0 for x != a and >= 1 for x == a, whatever q is: a draft is kept iff it
+    is the argmax. At the first mismatch the residual max(0, p - q) has mass only at a (q(a) < 1 there, since
+    x != a was drawn), and the bonus is a too. So the step is deterministic and draws no uniforms. Callers
+    check the proposal (``validate_proposal``) first, as for :func:`verify`.
+    """
+    best = target_argmax.tolist() if isinstance(target_argmax, torch.Tensor) else list(target_argmax)
+    drafts = proposal.tokens.tolist()
+    if len(best) != len(drafts) + 1:
+        raise ProposalError(f"need the argmax of k+1 = {len(drafts) + 1} target rows, got {len(best)}")
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+        accepted += 1
+    return Verdict(accepted=accepted, proposed=len(drafts), tokens=drafts[:accepted] + [best[accepted]])
+
+
 def _validate(draft_tokens, q_draft, lengths, valid, V) -> None:
     """Proposer bugs become ProposalErrors here rather than silently wrong samples."""
     B, K = draft_tokens.shape
