@@ -153,8 +153,8 @@ class CostModelPolicy(GammaPolicy):
 
     α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
     Costs are measured, never assumed: at a batch size with no estimate it first runs a plain step (k = 0),
-    then one drafted token in every row, twice (the first pays the drafter's backlog), then one full draft,
-    then decides. After ``probe_every`` steps at k = 0 it drafts one token once, so a
+    then one drafted token in every row, twice (the first pays the drafter's backlog), then decides; a k
+    chosen on an extrapolated scoring cost is measured by that step and the choice revisited. After ``probe_every`` steps at k = 0 it drafts one token once, so a
     proposer that starts paying again is noticed, and it switches back on only for a predicted gain above
     ``switch_on_margin`` (every drafter then catches up on what it missed); each probe that changes nothing doubles the wait (up to
     16×), so probing costs little where speculation never pays. In a batch (``choose_batch``) it picks one k for the step,
@@ -206,18 +206,16 @@ class CostModelPolicy(GammaPolicy):
             # then the cheapest drafting that measures a longer scoring pass and what drafting in these rows
             # costs: one token in each, twice in a row, since the first also pays the drafter's backlog
             return -1
-        if not self.costs.is_measured(cap + 1, batch_size):
-            # and one full draft: scoring cost is not linear in tokens (it jumps where the products outgrow
-            # the caches), so the far end of the line is measured, not extrapolated
-            return cap
         rates = []
         for k in range(cap + 1):
             ks = [min(k, m) for m in max_ks]
             tokens = sum(expected_tokens(a, kr) for a, kr in zip(alphas, ks))
             drafting = self.costs.draft_time(max(ks), sum(1 for kr in ks if kr > 0))
             rates.append(tokens / ((drafting or 0.0) + self.costs.verify_time(max(ks) + 1, batch_size)))
-        # the smallest k within 1% of the best: measured costs are noisy, and drafting that buys nothing
-        # should not win a tie
+        # The smallest k within 1% of the best: measured costs are noisy, and drafting that buys nothing
+        # should not win a tie. Its scoring cost may be extrapolated (it is not linear in tokens: it jumps where
+        # the products outgrow the caches); running it measures it, and the next step decides again. Measuring
+        # only the k that would win, not every k up to the cap, keeps exploration cheap where drafting loses.
         best = max(rates)
         if off and best < (1 + self.switch_on_margin) * rates[0]:
             # switching speculation on makes every drafter catch up on what it missed: a small predicted gain

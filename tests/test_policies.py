@@ -122,7 +122,7 @@ def test_a_policy_crash_is_a_clear_error_naming_it(tiny_dirs, tiny_target):
     assert info.value.culprit == "crashy" and len(info.value.partial.tokens) >= 3
 
 
-def test_cost_model_measures_a_plain_step_one_token_and_a_full_draft_before_it_decides(tiny_target):
+def test_cost_model_measures_a_plain_step_and_one_token_then_revisits_an_extrapolated_choice(tiny_target):
     policy = CostModelPolicy(max_gamma=6)
     seq = seq_state(tiny_target)
     policy.begin(seq)
@@ -132,11 +132,26 @@ def test_cost_model_measures_a_plain_step_one_token_and_a_full_draft_before_it_d
     policy.update(seq, 1, 1, 0.050, 0.0105)  # its drafting also prefilled the prompt: 50 ms
     assert policy.choose(seq, 8) == 1  # so once more, to measure drafting without the backlog
     policy.update(seq, 1, 1, 0.0005, 0.0105)
-    assert policy.choose(seq, 8) == 6  # then one full draft: the far end of the cost line is measured
-    for _ in range(10):
-        policy.update(seq, 6, 6, 0.003, 0.013)  # cheap drafts (0.5 ms a token), all accepted
-    assert policy.costs.draft_time(1) <= 2 * 0.0005  # the prefill does not poison the estimate
+    # scoring looks nearly free (0.5 ms a token, extrapolated) and drafts are accepted: the longest draft wins
     assert policy.choose(seq, 8) == 6
+    policy.update(seq, 6, 6, 0.003, 0.060)  # measured: scoring 7 tokens costs 6 plain steps, not 1.3
+    assert policy.costs.draft_time(1) <= 2 * 0.0005  # the prefill does not poison the drafting estimate
+    assert 0 < policy.choose(seq, 8) < 6  # decided again on the measured far end of the line
+
+
+def test_cost_model_never_drafts_long_where_one_token_already_shows_scoring_is_dear(tiny_target):
+    policy = CostModelPolicy(max_gamma=8, probe_every=1000)
+    seqs = [seq_state(tiny_target) for _ in range(8)]
+    for seq in seqs:
+        policy.begin(seq)
+    choices = []
+    for _ in range(10):
+        ks = policy.choose_batch(seqs, [8] * 8)
+        choices.append(max(ks))
+        k = max(ks)
+        # at batch 8 scoring costs 20 ms a token per row: one drafted token doubles the step
+        policy.costs.observe(k, 0.001 * k, 0.020 * (k + 1), 8, scored=k + 1, draft_rows=8)
+    assert choices[:2] == [0, 1] and set(choices[2:]) == {0}  # measured, then off: no full draft
 
 
 def test_cost_model_probes_a_batch_with_one_row_only(tiny_target):
