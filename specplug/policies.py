@@ -154,12 +154,17 @@ class CostModelPolicy(GammaPolicy):
     α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
     Costs are measured, never assumed: at a batch size with no estimate it first runs a plain step (k = 0),
     then one drafted token in every row, twice (the first pays the drafter's backlog), then decides; a k
-    chosen on an extrapolated scoring cost is measured by that step and the choice revisited. After ``probe_every`` steps at k = 0 it drafts one token once, so a
-    proposer that starts paying again is noticed, and it switches back on only for a predicted gain above
-    ``switch_on_margin`` (every drafter then catches up on what it missed); each probe that changes nothing doubles the wait (up to
-    16×), so probing costs little where speculation never pays. In a batch (``choose_batch``) it picks one k for the step,
-    maximising the tokens all rows emit per second of the step, since every row waits for the longest draft
-    and all drafting. ``costs`` may be replaced (tests use a controlled one).
+    chosen on an extrapolated scoring cost is measured by that step and the choice revisited.
+
+    After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
+    noticed, and it switches back on only for a predicted gain above ``switch_on_margin`` (every drafter then
+    catches up on what it missed); each probe that changes nothing doubles the wait (up to 16×). Where the
+    scoring cost alone rules drafting out even if every draft were accepted, it neither measures drafting
+    nor probes: no α could change the choice.
+
+    In a batch (``choose_batch``) it picks one k for the step, maximising the tokens all rows emit per second
+    of the step, since every row waits for the longest draft and all drafting. ``costs`` may be replaced
+    (tests use a controlled one).
     """
 
     name = "cost-model"
@@ -203,15 +208,12 @@ class CostModelPolicy(GammaPolicy):
             return 0  # measure a plain step at this load first
         rows = sum(1 for m in max_ks if m > 0)
         if self.costs.verify_time(cap + 1, batch_size) is None or self.costs.draft_time(1, rows) is None:
+            if not self._could_pay(max_ks, batch_size):
+                return 0  # the scoring cost alone rules drafting out: no need to measure what drafting costs
             # then the cheapest drafting that measures a longer scoring pass and what drafting in these rows
             # costs: one token in each, twice in a row, since the first also pays the drafter's backlog
             return -1
-        rates = []
-        for k in range(cap + 1):
-            ks = [min(k, m) for m in max_ks]
-            tokens = sum(expected_tokens(a, kr) for a, kr in zip(alphas, ks))
-            drafting = self.costs.draft_time(max(ks), sum(1 for kr in ks if kr > 0))
-            rates.append(tokens / ((drafting or 0.0) + self.costs.verify_time(max(ks) + 1, batch_size)))
+        rates = self._rates(alphas, max_ks, batch_size, cap)
         # The smallest k within 1% of the best: measured costs are noisy, and drafting that buys nothing
         # should not win a tie. Its scoring cost may be extrapolated (it is not linear in tokens: it jumps where
         # the products outgrow the caches); running it measures it, and the next step decides again. Measuring
@@ -222,6 +224,28 @@ class CostModelPolicy(GammaPolicy):
             # would not repay that (and would flap on noise)
             return 0
         return next(k for k, r in enumerate(rates) if r >= 0.99 * best)
+
+    def _rates(self, alphas: list[float], max_ks: list[int], batch_size: int, cap: int) -> list[float]:
+        """Expected tokens per second of a step for k = 0..cap (unmeasured drafting counted as free)."""
+        rates = []
+        for k in range(cap + 1):
+            ks = [min(k, m) for m in max_ks]
+            tokens = sum(expected_tokens(a, kr) for a, kr in zip(alphas, ks))
+            drafting = self.costs.draft_time(max(ks), sum(1 for kr in ks if kr > 0))
+            rates.append(tokens / ((drafting or 0.0) + self.costs.verify_time(max(ks) + 1, batch_size)))
+        return rates
+
+    def _could_pay(self, max_ks: list[int], batch_size: int) -> bool:
+        """Whether drafting could beat plain steps by the switch-on margin here if every draft were accepted.
+
+        If not, no α can make speculation pay at this batch size, so measuring drafting or probing α would
+        cost steps and change nothing (on 2 cores at batch 16 scoring 2 tokens a row costs ~2 plain steps).
+        Unknown (True) while only plain steps are measured."""
+        cap = min(self.max_gamma, max(max_ks, default=0))
+        if cap <= 0 or self.costs.verify_time(2, batch_size) is None:
+            return cap > 0
+        rates = self._rates([1.0] * len(max_ks), max_ks, batch_size, cap)
+        return max(rates[1:]) > (1 + self.switch_on_margin) * rates[0]
 
     def _probe(self, idle: int, wait: int, k: int, can_draft: bool) -> tuple[int, int, int]:
         """(k, idle, wait) after this choice: count idle steps, probe with k = 1 when the wait is over and
@@ -237,8 +261,10 @@ class CostModelPolicy(GammaPolicy):
 
     def choose(self, seq, max_k):
         state = self._state(seq)
-        k = self.best_k(self._alpha(seq), max_k, seq.scratch.get("batch_size", 1), state["idle"] > 0)
-        k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, max_k > 0)
+        batch_size = seq.scratch.get("batch_size", 1)
+        k = self.best_k(self._alpha(seq), max_k, batch_size, state["idle"] > 0)
+        can_probe = k == 0 and self._could_pay([max_k], batch_size)
+        k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, can_probe)
         return k
 
     def choose_batch(self, seqs, max_ks):
@@ -249,7 +275,8 @@ class CostModelPolicy(GammaPolicy):
         if k < 0:  # measuring
             return [min(1, m) for m in max_ks]
         idle = k == 0
-        k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, max(max_ks) > 0)
+        can_probe = idle and self._could_pay(list(max_ks), len(seqs))
+        k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, can_probe)
         if idle and k > 0:  # a probe
             return self._one_row(seqs, alphas, max_ks)
         return [min(k, m) for m in max_ks]

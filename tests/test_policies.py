@@ -185,6 +185,18 @@ class BatchCosts(MeasuredCosts):
         return True
 
 
+def test_cost_model_does_not_probe_where_even_full_acceptance_could_not_pay(tiny_target):
+    # batch 16: scoring 2 tokens a row costs 0.138 s against 0.074 s for one, so even if every draft were
+    # accepted one drafted token would gain 6%, below the 10% switch-on margin: probing could change nothing
+    policy = CostModelPolicy(max_gamma=4, costs=BatchCosts(0.004), probe_every=3)
+    seqs = [seq_state(tiny_target) for _ in range(16)]
+    for seq in seqs:
+        policy.begin(seq)
+    assert all(policy.choose_batch(seqs, [4] * 16) == [0] * 16 for _ in range(20))
+    # at batch 4 the same costs leave room (23% at full acceptance): it probes, one row
+    assert any(sum(policy.choose_batch(seqs[:4], [4] * 4)) == 1 for _ in range(6))
+
+
 @pytest.mark.parametrize("slope, expect_speculation", [(0.0001, True), (0.004, False)])
 def test_cost_model_batch_choice_follows_the_scoring_cost_of_the_batch(tiny_target, slope, expect_speculation):
     policy = CostModelPolicy(max_gamma=8, costs=BatchCosts(slope), probe_every=1000)
