@@ -6,10 +6,18 @@ point mass at the argmax, so the proposal carries no dense q at all.
 
 A Llama-architecture draft runs through :mod:`specplug.lean_llama` (same weights, a fraction of HF's per-call
 cost) when the lean path reproduces HF's logits; ``fast=False`` or any other architecture uses HF's forward.
+
+``vocab`` restricts drafting to a subset of the vocabulary (the idea of FR-Spec, Zhao et al. 2025): for a small
+draft the LM head over all V tokens is most of a step, and rare tokens are rarely accepted anyway. q is then the
+processed softmax over the subset's logits and zero elsewhere, which is exactly what the token is drawn from,
+so the verifier stays exact; only acceptance can change (a token outside the subset is never drafted).
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -27,7 +35,11 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, target: Target | None = None, model: str | os.PathLike | torch.nn.Module | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
-                 trust_remote_code: bool = False, fast: bool = True):
+                 trust_remote_code: bool = False, fast: bool = True, vocab: int | Sequence[int] | None = None):
+        """``vocab``: draft only among these token ids (a list), or among the ``vocab`` most frequent ones (an
+        int: the draft's directory must hold ``frequent_tokens.json``, as the bundled draft's does; ``specplug
+        train token-ranks`` writes one), or over the whole vocabulary (``"all"``). None (the default) takes the
+        ``default_vocab`` that file recommends, if it has one, else the whole vocabulary."""
         if target is None:
             raise TypeError("draft-model needs target= (the Target it drafts for)")
         if model is None:
@@ -48,6 +60,14 @@ class DraftModelProposer(Proposer):
         self.draft = Target(lm, tokenizer, name=str(getattr(lm.config, "_name_or_path", "")) or "draft", lean=False)
         _check_vocabulary(target, self.draft)
         self.lean, self.lean_note = lean_or_reason(lm) if fast else (None, "fast=False")
+        self.subset = _vocab_subset(vocab, None if isinstance(model, torch.nn.Module) else model, target.vocab_size)
+        self.vocab_size = target.vocab_size
+        if self.subset is not None:
+            self.subset = self.subset.to(device)
+            if self.lean is not None:  # the head computes only the subset's rows: a copy of N of its V rows
+                head = lm.get_output_embeddings()
+                self.lean.head = (head.weight.detach()[self.subset].contiguous(),
+                                  None if head.bias is None else head.bias.detach()[self.subset].contiguous())
 
     def _new_state(self) -> KVState | LeanCache:
         return self.lean.new_cache() if self.lean is not None else KVState()
@@ -61,8 +81,18 @@ class DraftModelProposer(Proposer):
     def _next_logits(self, state: KVState | LeanCache, tokens: list[int]) -> torch.Tensor:
         """Run ``tokens`` past the cached ones; the draft's logits [V] after the last of them."""
         if self.lean is not None:
-            return self.lean.forward(state, tokens)
-        return self.draft.forward(state, tokens, logits_to_keep=1).logits[-1]
+            return self.lean.forward(state, tokens)  # over the subset already, when there is one
+        logits = self.draft.forward(state, tokens, logits_to_keep=1).logits[-1]
+        return logits if self.subset is None else logits[self.subset]
+
+    def _draw(self, logits: torch.Tensor, seq: SequenceState) -> tuple[int, torch.Tensor | None]:
+        """A token and its q over the whole vocabulary from logits over the drafting vocabulary."""
+        token, q = draw(logits, seq.sampling, seq.rng, self._sample)
+        if self.subset is None:
+            return token, q
+        if q is not None:  # zero outside the subset: the token was drawn from exactly this
+            q = q.new_zeros(self.vocab_size).index_copy_(0, self.subset, q)
+        return int(self.subset[token]), q
 
     def begin(self, seq: SequenceState) -> None:
         seq.scratch[self.name] = self._new_state()
@@ -78,7 +108,7 @@ class DraftModelProposer(Proposer):
         logits = self._next_logits(state, seq.ids[state.length:])
         tokens, q_rows = [], []
         for i in range(k):
-            token, q = draw(logits, seq.sampling, seq.rng, self._sample)
+            token, q = self._draw(logits, seq)
             tokens.append(token)
             if q is not None:
                 q_rows.append(q)
@@ -107,11 +137,12 @@ class DraftModelProposer(Proposer):
         while live:
             logits = self.lean.forward_rows([states[j] for j in live], feed)
             if all(seqs[j].sampling.greedy for j in live):  # one argmax for all rows
-                for j, token in zip(live, logits.float().argmax(-1).tolist()):
+                best = logits.float().argmax(-1)
+                for j, token in zip(live, (best if self.subset is None else self.subset[best]).tolist()):
                     tokens[j].append(token)
             else:
                 for row, j in enumerate(live):
-                    token, q = draw(logits[row], seqs[j].sampling, seqs[j].rng, self._sample)
+                    token, q = self._draw(logits[row], seqs[j])
                     tokens[j].append(token)
                     if q is not None:
                         q_rows[j].append(q)
@@ -144,7 +175,8 @@ class DraftModelProposer(Proposer):
         seq.scratch.pop(self.name, None)
 
     def memory_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.draft.model.parameters())
+        head = self.lean.head if self.lean is not None and self.lean.head is not None else ()
+        return sum(p.numel() * p.element_size() for p in (*self.draft.model.parameters(), *head) if p is not None)
 
 
 def _default_draft(target: Target):
@@ -153,6 +185,33 @@ def _default_draft(target: Target):
         return zoo.resolve(zoo.PREFIX + zoo.DEFAULT_DRAFT[short])
     raise TypeError(f"draft-model needs model= (a directory, hub id or zoo: name) for target {target.name!r}; "
                     "only bundled zoo targets have a default draft")
+
+
+FREQUENT_TOKENS = "frequent_tokens.json"
+
+
+def _vocab_subset(vocab, model_dir, vocab_size: int) -> torch.Tensor | None:
+    """The drafting vocabulary as sorted token ids, or None for all of it."""
+    ranks_file = Path(model_dir) / FREQUENT_TOKENS if model_dir is not None else None
+    if vocab is None:  # what the draft's own ranking recommends (measured when it was written), if anything
+        vocab = json.loads(ranks_file.read_text()).get("default_vocab") if ranks_file and ranks_file.is_file() else None
+    if vocab is None or vocab == "all":
+        return None
+    if isinstance(vocab, bool) or not isinstance(vocab, (int, list, tuple)):
+        raise TypeError(f"draft-model: vocab must be a token count, a list of token ids or 'all', got {vocab!r}")
+    if isinstance(vocab, int):
+        if ranks_file is None or not ranks_file.is_file():
+            raise ValueError(f"draft-model: vocab={vocab} needs {FREQUENT_TOKENS} (token ids by frequency) in "
+                             f"the draft's directory, and {model_dir or 'a module passed as model='} has none; "
+                             "write one with `specplug train token-ranks` or pass vocab as a list of ids")
+        ranked = json.loads(ranks_file.read_text())["tokens"]
+        if not 0 < vocab <= len(ranked):
+            raise ValueError(f"draft-model: vocab={vocab} is outside 1..{len(ranked)} (the tokens {ranks_file} ranks)")
+        vocab = ranked[:vocab]
+    ids = sorted({int(i) for i in vocab})
+    if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(f"draft-model: vocab ids must be a non-empty set within [0, {vocab_size})")
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def _check_vocabulary(target: Target, draft: Target) -> None:

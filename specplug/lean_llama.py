@@ -177,6 +177,11 @@ class LeanLlama:
         self.device, self.dtype = param.device, param.dtype
         self.rope = RopeTable(model.model.rotary_emb, self.device, self.dtype)
         self.layers = [LeanLayer(layer) for layer in model.model.layers]
+        # (weight, bias) replacing the LM head, e.g. a drafter's rows for a subset of the vocabulary
+        self.head: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(x) if self.head is None else few_rows.linear(x, *self.head)
 
     def new_cache(self) -> LeanCache:
         return LeanCache([layer.new_cache() for layer in self.layers])
@@ -203,7 +208,7 @@ class LeanLlama:
             x = _rms_norm(x, self.model.model.norm)
             if top in hidden:
                 states[top] = x
-            return self.model.lm_head(x[-keep:] if keep else x), states
+            return self._logits(x[-keep:] if keep else x), states
 
     def forward_rows(self, caches: list[LeanCache], tokens: list[int]) -> torch.Tensor:
         """One token after each of B sequences' cached ones, in one pass: logits [B, V]."""
@@ -216,7 +221,7 @@ class LeanLlama:
             x = self.model.model.embed_tokens(ids)
             for i, layer in enumerate(self.layers):
                 x = layer.rows(x, cos, sin, [cache.layers[i] for cache in caches])
-            return self.model.lm_head(_rms_norm(x, self.model.model.norm))
+            return self._logits(_rms_norm(x, self.model.model.norm))
 
 
 def lean_or_reason(model: torch.nn.Module) -> tuple[LeanLlama | None, str]:

@@ -12,6 +12,8 @@ The bundled weights were made with (W = a work dir outside the repo):
         --seed 4321 --out specplug/models/pycode-draft
     specplug train report --target specplug/models/pycode --draft specplug/models/pycode-draft \
         --tokenizer W/tokenizer
+    specplug train token-ranks --tokenizer specplug/models/pycode --default-vocab 2048 \
+        --out specplug/models/pycode-draft/frequent_tokens.json
 
 (`python -m specplug.training.cli ...` is the same group.)  The bundled target's run had
 its --steps lowered mid-run (2000 -> 1500 -> 1400 -> 1050 -> 900, at steps 20/89/734/751/763,
@@ -131,6 +133,34 @@ def export_cmd(work_dir, tokenizer_dir, out, dtype):
 
     export(work_dir, tokenizer_dir, out, dtype=dtype)
     click.echo(f"exported -> {out}")
+
+
+@train_group.command("token-ranks")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
+              default=str(DEFAULT_WORK / "tokenizer"), show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), required=True,
+              help="e.g. specplug/models/pycode-draft/frequent_tokens.json")
+@click.option("--default-vocab", type=int, default=None,
+              help="the subset draft-model uses when vocab= is not given (pick it with specplug compare)")
+def token_ranks_cmd(tokenizer_dir, out, default_vocab):
+    """Rank the vocabulary by frequency in the train split (draft-model's vocab= reads the top of it)."""
+    import torch
+
+    from .data import token_stream
+
+    stream = token_stream("train", tokenizer_dir)
+    counts = torch.bincount(stream, minlength=int(stream.max()) + 1)
+    ranked = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))  # ties: the smaller id first
+    total = int(counts.sum())
+    covered = torch.cumsum(counts[ranked], 0) / total
+    Path(out).write_text(json.dumps({
+        "about": "token ids by frequency in the zoo's train split (specplug train token-ranks)",
+        "corpus_tokens": total,
+        "coverage": {str(n): round(float(covered[n - 1]), 4) for n in (512, 1024, 2048, 4096) if n <= len(ranked)},
+        **({"default_vocab": default_vocab} if default_vocab else {}),
+        "tokens": ranked}, separators=(",", ":")) + "\n")
+    click.echo(f"{len(ranked)} tokens ranked over {total} -> {out}; coverage of the top 1024/2048/4096: "
+               + ", ".join(f"{float(covered[n - 1]):.3f}" for n in (1024, 2048, 4096) if n <= len(ranked)))
 
 
 @train_group.command("report")
