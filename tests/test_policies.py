@@ -139,7 +139,7 @@ def test_cost_model_measures_a_plain_step_and_one_token_then_revisits_an_extrapo
     assert 0 < policy.choose(seq, 8) < 6  # decided again on the measured far end of the line
 
 
-def test_cost_model_never_drafts_long_where_one_token_already_shows_scoring_is_dear(tiny_target):
+def test_cost_model_measures_one_longer_draft_then_stays_off_where_scoring_is_dear(tiny_target):
     policy = CostModelPolicy(max_gamma=8, probe_every=1000)
     seqs = [seq_state(tiny_target) for _ in range(8)]
     for seq in seqs:
@@ -151,7 +151,8 @@ def test_cost_model_never_drafts_long_where_one_token_already_shows_scoring_is_d
         k = max(ks)
         # at batch 8 scoring costs 20 ms a token per row: one drafted token doubles the step
         policy.costs.observe(k, 0.001 * k, 0.020 * (k + 1), 8, scored=k + 1, draft_rows=8)
-    assert choices[:2] == [0, 1] and set(choices[2:]) == {0}  # measured, then off: no full draft
+    # a plain step, one token, one draft of 4 (the line is not trusted beyond what was scored), then off
+    assert choices[:3] == [0, 1, 4] and set(choices[3:]) == {0}
 
 
 def test_cost_model_probes_a_batch_with_one_row_only(tiny_target):
