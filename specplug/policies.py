@@ -162,9 +162,9 @@ class CostModelPolicy(GammaPolicy):
 
     After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
     noticed, and it switches back on only for a predicted gain above ``switch_on_margin`` (every drafter then
-    catches up on what it missed); each probe that changes nothing doubles the wait (up to 16×). Where the
-    scoring cost alone rules drafting out even if every draft were accepted, it neither measures drafting
-    nor probes: no α could change the choice.
+    catches up on what it missed); each probe that changes nothing doubles the wait (up to 16×). Where measured
+    scoring costs rule drafting out even if every draft were accepted, it does not probe (nor, with costs it
+    already holds, measure drafting): no α could change the choice.
 
     In a batch (``choose_batch``) it picks one k for the step, maximising the tokens all rows emit per second
     of the step, since every row waits for the longest draft and all drafting. ``costs`` may be replaced
