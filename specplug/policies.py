@@ -148,23 +148,19 @@ def _ewma(old: float, new: float, decay: float) -> float:
     return decay * old + (1 - decay) * new
 
 
-FAR_DRAFT = 4  # the longer draft cost-model measures once per batch size before it settles on a shorter one
-
-
 class CostModelPolicy(GammaPolicy):
     """Choose k in 0..max_gamma maximising expected_tokens(α, k) / (draft_time(k) + verify_time(k + 1)).
 
     α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
     Costs are measured, never assumed: at a batch size with no estimate it first runs a plain step (k = 0),
     then one drafted token in every row, twice (the first pays the drafter's backlog), then decides; a k
-    chosen on an extrapolated scoring cost is measured by that step and the choice revisited, and before it
-    settles on a draft shorter than FAR_DRAFT it scores one draft that long (the scoring line is not linear).
+    chosen on an extrapolated scoring cost is measured by that step and the choice revisited.
 
     After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
     noticed, and it switches back on only for a predicted gain above ``switch_on_margin`` (every drafter then
-    catches up on what it missed); each probe that changes nothing doubles the wait (up to 16×). Where measured
-    scoring costs rule drafting out even if every draft were accepted, it does not probe (nor, with costs it
-    already holds, measure drafting): no α could change the choice.
+    catches up on what it missed); each probe that changes nothing doubles the wait (up to 16×). Where the
+    scoring cost alone rules drafting out even if every draft were accepted, it neither measures drafting
+    nor probes: no α could change the choice.
 
     In a batch (``choose_batch``) it picks one k for the step, maximising the tokens all rows emit per second
     of the step, since every row waits for the longest draft and all drafting. ``costs`` may be replaced
@@ -223,12 +219,6 @@ class CostModelPolicy(GammaPolicy):
         # the products outgrow the caches); running it measures it, and the next step decides again. Measuring
         # only the k that would win, not every k up to the cap, keeps exploration cheap where drafting loses.
         best = max(rates)
-        far = min(cap, FAR_DRAFT)
-        if rates.index(best) < far and not self.costs.is_measured(far + 1, batch_size):
-            # Before settling on a short draft, measure one longer one: the line through short scoring passes
-            # is pessimistic at a large batch (the products get more efficient with rows: at B = 16 γ = 4
-            # paid while the line from 1 and 2 tokens said nothing could).
-            return far
         if off and best < (1 + self.switch_on_margin) * rates[0]:
             # switching speculation on makes every drafter catch up on what it missed: a small predicted gain
             # would not repay that (and would flap on noise)
@@ -250,9 +240,9 @@ class CostModelPolicy(GammaPolicy):
 
         If not, no α can make speculation pay at this batch size, so measuring drafting or probing α would
         cost steps and change nothing (on 2 cores at batch 16 scoring 2 tokens a row costs ~2 plain steps).
-        Unknown (True) until a draft of FAR_DRAFT tokens has been scored at this batch size."""
+        Unknown (True) while only plain steps are measured."""
         cap = min(self.max_gamma, max(max_ks, default=0))
-        if cap <= 0 or not self.costs.is_measured(min(cap, FAR_DRAFT) + 1, batch_size):
+        if cap <= 0 or self.costs.verify_time(2, batch_size) is None:
             return cap > 0
         rates = self._rates([1.0] * len(max_ks), max_ks, batch_size, cap)
         return max(rates[1:]) > (1 + self.switch_on_margin) * rates[0]

@@ -156,8 +156,9 @@ def test_proposer_hears_end_when_a_stream_is_abandoned_or_decoding_fails(tiny_ta
     chunks.close()  # the consumer walks away
     assert (counter.begun, counter.ended) == (1, 1)
     failing = EndCounter(fail_at=2)
-    with pytest.raises(specplug.SpeculationError):
-        specplug.generate(tiny_target, failing, "def add(a, b):", max_new_tokens=40, strict=True)
+    with pytest.raises(specplug.SpeculationError):  # seeded: no early EOS before the second propose()
+        specplug.generate(tiny_target, failing, "def add(a, b):", max_new_tokens=40, strict=True,
+                          sampling=specplug.SamplingParams(seed=0))
     assert (failing.begun, failing.ended) == (1, 1)
     done = EndCounter()
     specplug.generate(tiny_target, done, "def add(a, b):", max_new_tokens=10)
@@ -169,5 +170,6 @@ def test_batch_rows_hear_end_when_the_batch_fails(tiny_target):
 
     failing = EndCounter(fail_at=3)
     with pytest.raises(specplug.SpeculationError):
-        generate_batch(tiny_target, failing, ["def add(a, b):", "import os\n"], max_new_tokens=30, strict=True)
+        generate_batch(tiny_target, failing, ["def add(a, b):", "import os\n"], max_new_tokens=30, strict=True,
+                       sampling=specplug.SamplingParams(seed=0))
     assert failing.begun == 2 and failing.ended == 2

@@ -118,7 +118,9 @@ class Crashing(GammaPolicy):
 def test_a_policy_crash_is_a_clear_error_naming_it(tiny_dirs, tiny_target):
     proposer = specplug.get_proposer("ngram", target=tiny_target)
     with pytest.raises(specplug.SpeculationError, match="policy 'crashy': choose\\(\\) raised") as info:
-        specplug.generate(tiny_target, proposer, "def add(a, b):", max_new_tokens=20, num_speculative_tokens=Crashing())
+        # seeded: an unseeded run of the random tiny model may sample EOS before the policy's third call
+        specplug.generate(tiny_target, proposer, "def add(a, b):", max_new_tokens=20, num_speculative_tokens=Crashing(),
+                          sampling=specplug.SamplingParams(temperature=1.0, seed=0))
     assert info.value.culprit == "crashy" and len(info.value.partial.tokens) >= 3
 
 
@@ -139,7 +141,7 @@ def test_cost_model_measures_a_plain_step_and_one_token_then_revisits_an_extrapo
     assert 0 < policy.choose(seq, 8) < 6  # decided again on the measured far end of the line
 
 
-def test_cost_model_measures_one_longer_draft_then_stays_off_where_scoring_is_dear(tiny_target):
+def test_cost_model_never_drafts_long_where_one_token_already_shows_scoring_is_dear(tiny_target):
     policy = CostModelPolicy(max_gamma=8, probe_every=1000)
     seqs = [seq_state(tiny_target) for _ in range(8)]
     for seq in seqs:
@@ -151,8 +153,7 @@ def test_cost_model_measures_one_longer_draft_then_stays_off_where_scoring_is_de
         k = max(ks)
         # at batch 8 scoring costs 20 ms a token per row: one drafted token doubles the step
         policy.costs.observe(k, 0.001 * k, 0.020 * (k + 1), 8, scored=k + 1, draft_rows=8)
-    # a plain step, one token, one draft of 4 (the line is not trusted beyond what was scored), then off
-    assert choices[:3] == [0, 1, 4] and set(choices[3:]) == {0}
+    assert choices[:2] == [0, 1] and set(choices[2:]) == {0}  # measured, then off: no full draft
 
 
 def test_cost_model_probes_a_batch_with_one_row_only(tiny_target):
