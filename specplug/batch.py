@@ -41,7 +41,7 @@ from specplug.verifier.rule import verify_batch
 from .decode import GenerationResult, SpeculationError, _emit, _prompt_ids, _proposer_name, _request_ids
 from .metrics import GenerationStats
 from .sampling import SamplingParams, processed_probs
-from .target import Target
+from .target import Target, feature_layer
 from .types import Proposer, SequenceState
 
 __all__ = ["BatchedCache", "generate_batch", "BatchCacheView"]
@@ -172,17 +172,9 @@ class BatchCacheView:
         return int(self.batch.lengths[self.row])
 
 
-def _pick_features(out, names: Sequence[str], row: int, n: int) -> dict[str, torch.Tensor]:
-    """As :func:`specplug.target._pick_features`, for one row of a batch and its first ``n`` positions."""
-    picked = {}
-    for name in names:
-        if name == "last":
-            picked[name] = out.hidden_states[-1][row, :n]
-        elif name.startswith("layer:"):
-            picked[name] = out.hidden_states[int(name.split(":", 1)[1])][row, :n]
-        else:
-            raise ValueError(f"unknown target feature {name!r}; known: 'last', 'layer:N'")
-    return picked
+def _pick_features(out, names: Sequence[str], row: int, n: int, num_layers: int) -> dict[str, torch.Tensor]:
+    """The named target features (see :func:`specplug.target.feature_layer`) of one row, first ``n`` positions."""
+    return {name: out.hidden_states[feature_layer(name, num_layers)][row, :n] for name in names}
 
 
 def _policy_name(policy) -> str:
@@ -271,6 +263,7 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
 
     name = _proposer_name(proposer) if proposer is not None else "target-only"
     features = tuple(getattr(proposer, "needs_features", ())) if proposer is not None else ()
+    num_layers = target.model.config.num_hidden_layers  # for the feature names (see target.feature_layer)
     eos = target.eos_token_ids
     limit = target.max_positions or 1 << 62
     max_stop = max((len(s) for s in stop), default=0)
@@ -486,7 +479,7 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
                 acc = accepted_list[j]
                 verdict = Verdict(accepted=acc, proposed=proposals[j].k, tokens=tokens_list[j][: acc + 1])
                 if features:
-                    verdict.features = _pick_features(out, features, j, acc + 1)
+                    verdict.features = _pick_features(out, features, j, acc + 1, num_layers)
                 if row.active is not None and not isinstance(row.gamma, int):
                     seq.scratch["batch_step"] = step_info
                     ask_policy(row, "update", proposals[j].k, acc, draft_times[j], t2 - t1, B)

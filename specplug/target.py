@@ -157,7 +157,7 @@ class Target:
         if self.lean is not None:
             if state.cache is None:
                 state.cache = self.lean.new_cache()
-            layers = {name: self._feature_layer(name) for name in features}
+            layers = {name: feature_layer(name, self.model.config.num_hidden_layers) for name in features}
             logits, hidden = self.lean.run(state.cache, ids[0], keep=logits_to_keep, hidden=tuple(layers.values()))
             state.length += n
             return Scores(logits=logits, features={name: hidden[i] for name, i in layers.items()})
@@ -167,18 +167,9 @@ class Target:
                              output_hidden_states=bool(features), logits_to_keep=logits_to_keep)
         state.cache = out.cache
         state.length += n
-        return Scores(logits=out.logits[0], features=_pick_features(out, features))
-
-    def _feature_layer(self, name: str) -> int:
-        """Index into HF's ``hidden_states`` of a feature name (see :func:`_pick_features`)."""
         top = self.model.config.num_hidden_layers
-        if name == "last":
-            return top
-        if name.startswith("layer:"):
-            i = int(name.split(":", 1)[1])
-            if -top - 1 <= i <= top:
-                return i % (top + 1)
-        raise ValueError(f"unknown target feature {name!r}; known: 'last', 'layer:N' (0 <= N <= {top})")
+        return Scores(logits=out.logits[0],
+                      features={name: out.hidden_states[feature_layer(name, top)][0] for name in features})
 
     def prefill(self, prompt_ids: Sequence[int], state: KVState | None = None) -> KVState:
         """Cache every prompt token but the last, which the first ``score`` feeds as ``last``."""
@@ -206,17 +197,13 @@ class Target:
             state.length = length
 
 
-def _pick_features(out, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """``"last"`` is the final-normed last hidden state (lm_head(last) == logits); ``"layer:N"`` is layer N."""
-    if not names:
-        return {}
-    hidden = out.hidden_states
-    picked = {}
-    for name in names:
-        if name == "last":
-            picked[name] = hidden[-1][0]
-        elif name.startswith("layer:"):
-            picked[name] = hidden[int(name.split(":", 1)[1])][0]
-        else:
-            raise ValueError(f"unknown target feature {name!r}; known: 'last', 'layer:N'")
-    return picked
+def feature_layer(name: str, num_layers: int) -> int:
+    """Index into HF's ``hidden_states`` of a target feature: ``"last"`` is the final-normed last hidden state
+    (lm_head(last) == logits), ``"layer:N"`` the output of layer N (0: the embeddings; N < 0 counts back)."""
+    if name == "last":
+        return num_layers
+    if name.startswith("layer:"):
+        i = int(name.split(":", 1)[1])
+        if -num_layers - 1 <= i <= num_layers:
+            return i % (num_layers + 1)
+    raise ValueError(f"unknown target feature {name!r}; known: 'last', 'layer:N' (0 <= N <= {num_layers})")
