@@ -35,7 +35,8 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, target: Target | None = None, model: str | os.PathLike | torch.nn.Module | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
-                 trust_remote_code: bool = False, fast: bool = True, vocab: int | Sequence[int] | None = None):
+                 trust_remote_code: bool = False, fast: bool = True,
+                 vocab: int | Sequence[int] | str | None = None):
         """``vocab``: draft only among these token ids (a list), or among the ``vocab`` most frequent ones (an
         int: the draft's directory must hold ``frequent_tokens.json``, as the bundled draft's does; ``specplug
         train token-ranks`` writes one), or over the whole vocabulary (``"all"``). None (the default) takes the
@@ -193,18 +194,19 @@ FREQUENT_TOKENS = "frequent_tokens.json"
 def _vocab_subset(vocab, model_dir, vocab_size: int) -> torch.Tensor | None:
     """The drafting vocabulary as sorted token ids, or None for all of it."""
     ranks_file = Path(model_dir) / FREQUENT_TOKENS if model_dir is not None else None
+    ranks = json.loads(ranks_file.read_text()) if ranks_file is not None and ranks_file.is_file() else None
     if vocab is None:  # what the draft's own ranking recommends (measured when it was written), if anything
-        vocab = json.loads(ranks_file.read_text()).get("default_vocab") if ranks_file and ranks_file.is_file() else None
+        vocab = (ranks or {}).get("default_vocab")
     if vocab is None or vocab == "all":
         return None
     if isinstance(vocab, bool) or not isinstance(vocab, (int, list, tuple)):
         raise TypeError(f"draft-model: vocab must be a token count, a list of token ids or 'all', got {vocab!r}")
     if isinstance(vocab, int):
-        if ranks_file is None or not ranks_file.is_file():
+        if ranks is None:
             raise ValueError(f"draft-model: vocab={vocab} needs {FREQUENT_TOKENS} (token ids by frequency) in "
                              f"the draft's directory, and {model_dir or 'a module passed as model='} has none; "
                              "write one with `specplug train token-ranks` or pass vocab as a list of ids")
-        ranked = json.loads(ranks_file.read_text())["tokens"]
+        ranked = ranks["tokens"]
         if not 0 < vocab <= len(ranked):
             raise ValueError(f"draft-model: vocab={vocab} is outside 1..{len(ranked)} (the tokens {ranks_file} ranks)")
         vocab = ranked[:vocab]
