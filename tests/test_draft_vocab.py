@@ -72,7 +72,7 @@ def test_vocab_count_reads_the_ranks_file_in_the_draft_directory(tiny_dirs, tiny
         DraftModelProposer(target=tiny_target, model=draft, vocab="many")
 
 
-def test_bundled_draft_ships_a_ranking_of_the_whole_vocabulary(tmp_path):
+def test_bundled_draft_ships_a_ranking_of_the_whole_vocabulary():
     from specplug import zoo
 
     ranks = json.loads((zoo.resolve("zoo:pycode-draft") / FREQUENT_TOKENS).read_text())
