@@ -56,10 +56,13 @@ def main() -> None:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
+@click.option("--matmul-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="Keep linear weights in and multiply in this dtype; all else stays --dtype. auto: bfloat16 for a "
+                   "bundled (bf16-trained) target on a CPU with native bf16 products, else --dtype.")
 @click.option("--strict", is_flag=True, help="A failing proposer is an error instead of a counted fallback.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as JSON.")
 def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_tokens, policy, temperature, top_k,
-             top_p, seed, stop, device, dtype, strict, as_json) -> None:
+             top_p, seed, stop, device, dtype, matmul_dtype, strict, as_json) -> None:
     """Generate a continuation of PROMPT (read from stdin when omitted or '-')."""
     import specplug
 
@@ -67,7 +70,7 @@ def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_
     if prompt in (None, "-"):
         prompt = sys.stdin.read()
     try:
-        tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype)
+        tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype, matmul_dtype=matmul_dtype)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"--target {target}: {exc}") from exc
     prop = None
@@ -155,8 +158,11 @@ def _numbers(text: str, kind=float) -> list:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema specplug.compare/1).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
+@click.option("--matmul-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+              help="Keep linear weights in and multiply in this dtype; all else stays --dtype. auto: bfloat16 for a "
+                   "bundled (bf16-trained) target on a CPU with native bf16 products, else --dtype.")
 def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, temperatures, max_new_tokens,
-            repeats, peer, batch_sizes, requests, html_path, as_json, device, dtype) -> None:
+            repeats, peer, batch_sizes, requests, html_path, as_json, device, dtype, matmul_dtype) -> None:
     """Compare proposers side by side against target-only decoding on real workloads."""
     import specplug
     from specplug.bench import compare as bench
@@ -165,7 +171,7 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
 
     _quiet_transformers()
     try:
-        tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype)
+        tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype, matmul_dtype=matmul_dtype)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"--target {target}: {exc}") from exc
     try:

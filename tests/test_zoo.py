@@ -1,9 +1,11 @@
 """The bundled zoo: loads offline, drafts exactly, and its tokenizer round-trips source text."""
+import inspect
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import specplug
 from specplug import zoo
@@ -46,8 +48,25 @@ def test_greedy_speculative_output_equals_target_only_on_humaneval(prompt, pycod
 
 
 def test_tokenizer_round_trips_source_text(pycode):
-    import inspect
     import json as module
 
     for text in (inspect.getsource(module), "def f(x):\n\tréturn x  # ünïcode ✓\n\n\n", "    \r\n  \t"):
         assert pycode.tokenizer.decode(pycode.tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_verify_pass_scores_each_position_bit_identically_to_a_one_token_step(pycode):
+    """With bf16 products (the zoo's default where the CPU has them), scoring k + 1 positions at once gives the
+    very logits k + 1 one-token steps give, so greedy speculative decoding cannot part from target-only."""
+    if pycode.matmul_dtype != torch.bfloat16:
+        pytest.skip(f"this CPU runs the zoo with {pycode.matmul_dtype or pycode.dtype} products")
+    lean, gen = pycode.lean, torch.Generator().manual_seed(0)
+    cache = lean.new_cache()
+    lean.run(cache, pycode.encode(inspect.getsource(inspect)[:2000]))
+    start = cache.length
+    for n in (2, 5, 9) * 4:
+        tokens = torch.randint(0, pycode.vocab_size, (n,), generator=gen).tolist()
+        together, _ = lean.run(cache, tokens)
+        cache.crop(start)
+        one_by_one = torch.cat([lean.run(cache, [t])[0] for t in tokens])
+        cache.crop(start)
+        assert torch.equal(together, one_by_one), n

@@ -148,7 +148,8 @@ def _report(target, runs, ours, skipped, memory, workloads, gammas, temperatures
     report = {
         "schema": SCHEMA,
         "target": {"name": target.name, "parameters": sum(p.numel() for p in target.model.parameters()),
-                   "device": str(target.device), "dtype": str(target.dtype).replace("torch.", "")},
+                   "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+                   "matmul_dtype": str(target.matmul_dtype or target.dtype).replace("torch.", "")},
         "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "gammas": list(gammas),
                      "temperatures": list(temperatures), "peer": peer,
                      "workloads": [{"name": w.name, "prompts": len(w.prompts), "samples": w.samples}

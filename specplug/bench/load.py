@@ -139,7 +139,8 @@ def _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new
     report = {
         "schema": SCHEMA,
         "target": {"name": target.name, "parameters": sum(p.numel() for p in target.model.parameters()),
-                   "device": str(target.device), "dtype": str(target.dtype).replace("torch.", "")},
+                   "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+                   "matmul_dtype": str(target.matmul_dtype or target.dtype).replace("torch.", "")},
         "settings": {"batch_sizes": list(batch_sizes), "gammas": list(gammas), "policies": list(policies or {}),
                      "max_new_tokens": max_new_tokens, "prompts": n_prompts, "requests": requests,
                      "temperature": temperature,
