@@ -128,13 +128,15 @@ class DraftModelProposer(Proposer):
         ks = [min(k, limit - len(seq.ids)) if limit is not None else k for seq, k in zip(seqs, ks)]
         rows = [j for j, k in enumerate(ks) if k > 0]
         states = {j: self._state(seqs[j]) for j in rows}
-        for j in rows:  # catch up privately, so that every row feeds exactly its newest token below
+        for j in rows:  # a long backlog (a prompt) runs on its own first, down to the newest token
             backlog = seqs[j].ids[states[j].length:]
-            if len(backlog) > 1:
+            if len(backlog) > 2:
                 self.lean.forward(states[j], backlog[:-1])
         tokens: dict[int, list[int]] = {j: [] for j in rows}
         q_rows: dict[int, list[torch.Tensor]] = {j: [] for j in rows}
-        live, feed = rows, [seqs[j].ids[-1] for j in rows]
+        # the first pass feeds each row what its cache lacks: the newest token, and the row's last draft too
+        # where the whole draft was accepted (a last draft is never fed: see below)
+        live, feed = rows, [seqs[j].ids[states[j].length:] for j in rows]
         while live:
             logits = self.lean.forward_rows([states[j] for j in live], feed)
             if all(seqs[j].sampling.greedy for j in live):  # one argmax for all rows

@@ -13,6 +13,8 @@ model users loaded is the model that runs.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -157,16 +159,20 @@ class LeanLayer:
             weights = torch.softmax(scores, -1, dtype=torch.float32).to(values.dtype)
         return torch.bmm(weights, values).reshape(q.shape)
 
-    def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[LayerCache]) -> torch.Tensor:
-        """One new position in each of B sequences: x [B, h], cos/sin [B, head_dim], one cache per row.
+    def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[LayerCache],
+             counts: list[int]) -> torch.Tensor:
+        """A few new positions in each of B sequences: x [N, h] holds ``counts[b]`` rows for sequence b in
+        order, cos/sin [N, head_dim] their positions, one cache per sequence.
 
-        The products run once for all rows (the weights are read once); attention runs per row over its own
-        cache, since the rows' lengths differ."""
+        The products run once for all N rows (the weights are read once); attention runs per query over its
+        own sequence's cache, as a one-token step would (see ``__call__``)."""
         q, k, v = self._qkv(x, cos, sin)
-        outs = []
-        for b, cache in enumerate(caches):
-            keys, values = cache.append(k[b, :, None], v[b, :, None])
-            outs.append(self._attend_one(q[b], keys, values))
+        outs, at = [], 0
+        for cache, n in zip(caches, counts):
+            start = cache.length
+            keys, values = cache.append(k[at:at + n].transpose(0, 1), v[at:at + n].transpose(0, 1))
+            outs += [self._attend_one(q[at + i], keys[:, :start + i + 1], values[:, :start + i + 1]) for i in range(n)]
+            at += n
         return self._finish(x, torch.stack(outs).reshape(x.shape[0], -1))
 
 
@@ -230,18 +236,22 @@ class LeanLlama:
                 states[top] = x
             return self._logits(x[-keep:] if keep else x), states
 
-    def forward_rows(self, caches: list[LeanCache], tokens: list[int]) -> torch.Tensor:
-        """One token after each of B sequences' cached ones, in one pass: logits [B, V]."""
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
-        positions = [cache.length for cache in caches]
+    def forward_rows(self, caches: list[LeanCache], tokens: Sequence[int | Sequence[int]]) -> torch.Tensor:
+        """A token (or a few: a list) after each of B sequences' cached ones, in one pass: logits [B, V] after
+        each sequence's last token."""
+        per_row = [[t] if isinstance(t, int) else list(t) for t in tokens]
+        counts = [len(r) for r in per_row]
+        ids = torch.as_tensor([t for r in per_row for t in r], dtype=torch.long, device=self.device)
+        positions = [cache.length + i for cache, n in zip(caches, counts) for i in range(n)]
         self.rope.get(max(positions), 1)  # make sure the table reaches the furthest row
         at = torch.tensor(positions, device=self.device)
         cos, sin = self.rope.cos[at], self.rope.sin[at]
+        last = torch.tensor(counts, device=self.device).cumsum(0) - 1
         with torch.inference_mode():
             x = self.model.model.embed_tokens(ids)
             for i, layer in enumerate(self.layers):
-                x = layer.rows(x, cos, sin, [cache.layers[i] for cache in caches])
-            return self._logits(_rms_norm(x, self.model.model.norm))
+                x = layer.rows(x, cos, sin, [cache.layers[i] for cache in caches], counts)
+            return self._logits(_rms_norm(x[last], self.model.model.norm))
 
 
 def lean_or_reason(model: torch.nn.Module) -> tuple[LeanLlama | None, str]:

@@ -82,7 +82,8 @@ class MeasuredCosts:
       per-row drafter costs ~rows passes, a batched one (``propose_batch``) much less. Unseen row counts
       come from a line over the measured ones.
     - scoring: seconds of the target's pass over n tokens per row at batch size B: a decayed mean per
-      measured (n, B); elsewhere a line in n at that B, or a bilinear fit a + b·n + c·B + d·n·B.
+      measured (n, B), made non-decreasing in n; between measured n interpolated, beyond them a line through
+      the two nearest, at an unmeasured B a bilinear fit a + b·n + c·B + d·n·B.
     """
 
     decay: float = 0.8
@@ -119,19 +120,44 @@ class MeasuredCosts:
         """Whether scoring n tokens per row at this batch size has been measured (not just estimated)."""
         return (n, batch_size) in self.verify
 
+    def _measured_at(self, batch_size: int) -> list[tuple[int, float]]:
+        """Measured (n, seconds) at this batch size by n, made non-decreasing: scoring more tokens does not
+        cost less, so a pass measured dearer than a longer one (noise, or an odd kernel for that shape) is
+        estimated at the longer one's cost."""
+        here = sorted((m, t) for (m, b), t in self.verify.items() if b == batch_size)
+        for i in range(len(here) - 2, -1, -1):
+            here[i] = (here[i][0], min(here[i][1], here[i + 1][1]))
+        return here
+
     def verify_time(self, n: int, batch_size: int) -> float | None:
-        if (n, batch_size) in self.verify:
-            return self.verify[(n, batch_size)]
-        here = [(m, t) for (m, b), t in self.verify.items() if b == batch_size]
-        if len({m for m, _ in here}) >= 2:
-            slope, intercept = _line(here)
-            return max(intercept + slope * n, 1e-9)
+        """Seconds to score n tokens per row at this batch size: measured; between measured lengths
+        interpolated; beyond them on the line through the two nearest; at an unmeasured batch size from the
+        bilinear fit. None where nothing supports an estimate."""
+        here = self._measured_at(batch_size)
+        if len(here) >= 2 or (here and here[0][0] == n):
+            for (m0, t0), (m1, t1) in zip(here, here[1:]):
+                if m0 <= n <= m1:
+                    return t0 + (t1 - t0) * (n - m0) / (m1 - m0)
+            if here[0][0] == n:
+                return here[0][1]
+            (m0, t0), (m1, t1) = here[-2:] if n > here[-1][0] else here[:2]
+            return max(t0 + (t1 - t0) * (n - m0) / (m1 - m0), 1e-9)
         points = [(m, b, t) for (m, b), t in self.verify.items()]
         if len(points) >= 4 and len({m for m, _, _ in points}) >= 2 and len({b for _, b, _ in points}) >= 2:
             design = np.array([[1.0, m, b, m * b] for m, b, _ in points])
             coef, *_ = np.linalg.lstsq(design, np.array([t for *_, t in points]), rcond=None)
             return max(float(coef @ np.array([1.0, n, batch_size, n * batch_size])), 1e-9)
         return None
+
+    def hopeful_verify_time(self, n: int, batch_size: int) -> float | None:
+        """The cheapest cost consistent with the measurements for a pass up to twice as long as the longest
+        measured one: that one's cost (scoring more never costs less, and may cost hardly more: on a CPU with
+        bf16 products 9 tokens cost ~1.3 one-token steps, and some shapes hit faster kernels than shorter
+        ones). Elsewhere :meth:`verify_time`."""
+        here = self._measured_at(batch_size)
+        if here and here[-1][0] < n <= 2 * here[-1][0]:
+            return here[-1][1]
+        return self.verify_time(n, batch_size)
 
 
 def _line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -154,7 +180,11 @@ class CostModelPolicy(GammaPolicy):
     α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
     Costs are measured, never assumed: at a batch size with no estimate it first runs a plain step (k = 0),
     then one drafted token in every row, twice (the first pays the drafter's backlog), then decides; a k
-    chosen on an extrapolated scoring cost is measured by that step and the choice revisited.
+    chosen on an extrapolated scoring cost is measured by that step and the choice revisited. Scoring cost
+    is not linear in the tokens scored (bf16 products are nearly flat in the rows, some shapes hit slower
+    kernels than longer ones), so where a longer draft would clearly win if its unmeasured scoring pass cost
+    no more than the longest measured one, it drafts that long once to measure it — at most twice the
+    longest measured pass per step, so a pass that proves dear costs a bounded step.
 
     After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
     noticed, and it switches back on only for a predicted gain above ``switch_on_margin`` (every drafter then
@@ -208,7 +238,7 @@ class CostModelPolicy(GammaPolicy):
             return 0  # measure a plain step at this load first
         rows = sum(1 for m in max_ks if m > 0)
         if self.costs.verify_time(cap + 1, batch_size) is None or self.costs.draft_time(1, rows) is None:
-            if not self._could_pay(max_ks, batch_size):
+            if not self._could_pay(max_ks, batch_size, hopeful=True):
                 return 0  # the scoring cost alone rules drafting out: no need to measure what drafting costs
             # then the cheapest drafting that measures a longer scoring pass and what drafting in these rows
             # costs: one token in each, twice in a row, since the first also pays the drafter's backlog
@@ -219,32 +249,45 @@ class CostModelPolicy(GammaPolicy):
         # the products outgrow the caches); running it measures it, and the next step decides again. Measuring
         # only the k that would win, not every k up to the cap, keeps exploration cheap where drafting loses.
         best = max(rates)
+        # Explore: a longer draft whose scoring pass is unmeasured, if it would clearly win were that pass no
+        # dearer than the longest measured one. A line through short passes misjudges long ones both ways
+        # (products jump where they outgrow the caches, and get cheaper per row where a faster kernel takes
+        # over), so it is measured, not trusted; each such step at most doubles the longest pass measured.
+        hopeful = self._rates(alphas, max_ks, batch_size, cap, hopeful=True)
+        explore = max(range(cap + 1), key=lambda k: hopeful[k])
+        if not self.costs.is_measured(explore + 1, batch_size) \
+                and hopeful[explore] > (1 + self.switch_on_margin) * best:
+            return explore
         if off and best < (1 + self.switch_on_margin) * rates[0]:
             # switching speculation on makes every drafter catch up on what it missed: a small predicted gain
             # would not repay that (and would flap on noise)
             return 0
         return next(k for k, r in enumerate(rates) if r >= 0.99 * best)
 
-    def _rates(self, alphas: list[float], max_ks: list[int], batch_size: int, cap: int) -> list[float]:
-        """Expected tokens per second of a step for k = 0..cap (unmeasured drafting counted as free)."""
+    def _rates(self, alphas: list[float], max_ks: list[int], batch_size: int, cap: int,
+               hopeful: bool = False) -> list[float]:
+        """Expected tokens per second of a step for k = 0..cap (unmeasured drafting counted as free); with
+        ``hopeful``, unmeasured scoring passes at their cheapest plausible cost (``hopeful_verify_time``)."""
+        scoring = self.costs.hopeful_verify_time if hopeful else self.costs.verify_time
         rates = []
         for k in range(cap + 1):
             ks = [min(k, m) for m in max_ks]
             tokens = sum(expected_tokens(a, kr) for a, kr in zip(alphas, ks))
             drafting = self.costs.draft_time(max(ks), sum(1 for kr in ks if kr > 0))
-            rates.append(tokens / ((drafting or 0.0) + self.costs.verify_time(max(ks) + 1, batch_size)))
+            rates.append(tokens / ((drafting or 0.0) + scoring(max(ks) + 1, batch_size)))
         return rates
 
-    def _could_pay(self, max_ks: list[int], batch_size: int) -> bool:
-        """Whether drafting could beat plain steps by the switch-on margin here if every draft were accepted.
+    def _could_pay(self, max_ks: list[int], batch_size: int, hopeful: bool = False) -> bool:
+        """Whether drafting could beat plain steps by the switch-on margin here if every draft were accepted
+        (with ``hopeful``: and unmeasured longer passes cost no more than the longest measured one).
 
         If not, no α can make speculation pay at this batch size, so measuring drafting or probing α would
-        cost steps and change nothing (on 2 cores at batch 16 scoring 2 tokens a row costs ~2 plain steps).
-        Unknown (True) while only plain steps are measured."""
+        cost steps and change nothing (on 2 cores in float32 at batch 16 scoring 2 tokens a row costs ~2
+        plain steps). Unknown (True) while only plain steps are measured."""
         cap = min(self.max_gamma, max(max_ks, default=0))
         if cap <= 0 or self.costs.verify_time(2, batch_size) is None:
             return cap > 0
-        rates = self._rates([1.0] * len(max_ks), max_ks, batch_size, cap)
+        rates = self._rates([1.0] * len(max_ks), max_ks, batch_size, cap, hopeful)
         return max(rates[1:]) > (1 + self.switch_on_margin) * rates[0]
 
     def _probe(self, idle: int, wait: int, k: int, can_draft: bool) -> tuple[int, int, int]:

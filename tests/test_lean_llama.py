@@ -153,3 +153,24 @@ def test_draft_model_batch_proposals_equal_its_per_row_proposals(tiny_dirs, tiny
             assert (a.q is None) == (b.q is None)
             if a.q is not None:
                 torch.testing.assert_close(b.q, a.q, atol=1e-5, rtol=1e-4)
+
+
+def test_forward_rows_feeds_each_sequence_its_own_few_tokens(tiny_dirs):
+    """A batched drafting pass catches a row up on two tokens while another feeds one: the same logits and
+    caches as feeding each sequence on its own."""
+    draft = specplug.Target.from_pretrained(tiny_dirs["draft"])
+    lean = draft.lean
+    gen = torch.Generator().manual_seed(1)
+    prefixes = [torch.randint(0, draft.vocab_size, (n,), generator=gen).tolist() for n in (7, 12, 3)]
+    feeds = [[5, 9], [11], [2, 3]]
+    alone, together = [lean.new_cache() for _ in prefixes], [lean.new_cache() for _ in prefixes]
+    for prefix, a, b in zip(prefixes, alone, together):
+        lean.forward(a, prefix)
+        lean.forward(b, prefix)
+    want = torch.stack([lean.forward(cache, feed) for cache, feed in zip(alone, feeds)])
+    got = lean.forward_rows(together, feeds)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert [c.length for c in together] == [c.length for c in alone]
+    nxt = [4, 6, 8]  # and the caches agree: one more token each
+    torch.testing.assert_close(lean.forward_rows(together, nxt),
+                               torch.stack([lean.forward(c, [t]) for c, t in zip(alone, nxt)]), atol=1e-5, rtol=1e-5)

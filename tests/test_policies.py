@@ -242,3 +242,35 @@ def test_cost_model_switches_back_on_only_for_a_clear_gain(tiny_target):
     seq.scratch["policy:cost-model"]["idle"] = 3
     assert policy.choose(seq, 4) == 0  # off: 5% does not repay every drafter's catching up
     assert CostModelPolicy(max_gamma=4, costs=ControlledCosts(), switch_on_margin=0.0).best_k(0.2, 4, off=True) == 1
+
+
+def run_with_true_costs(policy, seq, truth, accepted_share, steps):
+    """Drive a policy for one sequence: every choice is "run" with scoring cost truth(n), 0.1 ms of drafting a
+    token, and the given share of drafts accepted; the chosen ks are returned."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose(seq, 4)
+        chosen.append(k)
+        policy.update(seq, k, round(k * accepted_share), 0.0001 * k, truth(k + 1))
+    return chosen
+
+
+def test_cost_model_measures_a_long_draft_when_a_short_pass_only_looks_dear(tiny_target):
+    # scoring 2 tokens hits a slow kernel (20 ms, twice a plain step) while 3-5 tokens cost 21 ms: the line
+    # through 1 and 2 tokens would rule drafting out; one exploratory step at twice the length finds out
+    truth = {1: 0.010, 2: 0.020, 3: 0.0205, 4: 0.021, 5: 0.0215}.get
+    policy = CostModelPolicy(max_gamma=4, probe_every=1000)
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    assert run_with_true_costs(policy, seq, truth, 1.0, 8) == [0, 1, 1, 3, 4, 4, 4, 4]
+
+
+def test_cost_model_explores_a_dear_long_pass_once_and_then_stays_off(tiny_target):
+    truth = lambda n: 0.020 * n  # compute-bound: every token scored costs a plain step
+    policy = CostModelPolicy(max_gamma=4, probe_every=1000)
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    assert run_with_true_costs(policy, seq, truth, 1.0, 2) == [0, 1]  # a plain step, then one token
+    seq.scratch["policy:cost-model"].update(successes=0.9, trials=1.0)  # α = 0.9
+    chosen = run_with_true_costs(policy, seq, truth, 0.75, 12)
+    assert chosen[:2] == [1, 3] and set(chosen[2:]) == {0}
