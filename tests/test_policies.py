@@ -274,3 +274,12 @@ def test_cost_model_explores_a_dear_long_pass_once_and_then_stays_off(tiny_targe
     seq.scratch["policy:cost-model"].update(successes=0.9, trials=1.0)  # α = 0.9
     chosen = run_with_true_costs(policy, seq, truth, 0.75, 12)
     assert chosen[:2] == [1, 3] and set(chosen[2:]) == {0}
+
+
+def test_drafting_more_rows_is_never_estimated_cheaper_nor_fewer_rows_dearer():
+    costs = MeasuredCosts()
+    costs.draft_pass.update({15: 0.0063, 16: 0.0026})  # a noisy 15-row pass beside a clean 16-row one
+    assert costs.draft_time(1, 13) <= 0.0026 and costs.draft_time(1, 15) <= 0.0026
+    assert costs.draft_time(2, 32) == pytest.approx(2 * 0.0026 * 2)  # beyond the measured: proportional
+    costs.verify.update({(1, 8): 0.010, (2, 8): 0.017, (3, 8): 0.012})  # a slow kernel for 2 tokens a row
+    assert costs.verify_time(2, 8) == pytest.approx(0.012)  # no dearer than scoring 3
