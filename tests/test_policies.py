@@ -283,3 +283,18 @@ def test_drafting_more_rows_is_never_estimated_cheaper_nor_fewer_rows_dearer():
     assert costs.draft_time(2, 32) == pytest.approx(2 * 0.0026 * 2)  # beyond the measured: proportional
     costs.verify.update({(1, 8): 0.010, (2, 8): 0.017, (3, 8): 0.012})  # a slow kernel for 2 tokens a row
     assert costs.verify_time(2, 8) == pytest.approx(0.012)  # no dearer than scoring 3
+
+
+def test_a_proposers_running_alpha_is_accepted_over_tried_not_a_mean_of_step_ratios(tiny_target):
+    policy = CostModelPolicy(max_gamma=4)
+    seq = seq_state(tiny_target)
+    seq.scratch["proposer"] = "p"
+    policy.begin(seq)
+    for _ in range(100):  # steps alternately reject the first draft and accept all four
+        policy.update(seq, 4, 0, 0.001, 0.010)
+        policy.update(seq, 4, 4, 0.001, 0.010)
+    # 4 accepted of 5 tried positions per pair of steps: α = 0.8 (the mean of the ratios 0/1 and 4/4 is 0.5)
+    assert policy.alpha_by_proposer["p"] == pytest.approx(0.8, abs=0.02)
+    fresh = seq_state(tiny_target)
+    fresh.scratch["proposer"] = "p"
+    assert policy._alpha(fresh) == pytest.approx(0.8, abs=0.02)  # and a new request starts from it
