@@ -66,6 +66,9 @@ class HeuristicPolicy(GammaPolicy):
         seq.scratch[self.name] = min(k + 2, self.max_gamma) if accepted == proposed else max(1, k - 1)
 
 
+REMEASURE_AFTER = 32  # steps at a batch size after which a measured scoring cost counts as stale
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a step emits on average when each of k drafts is accepted with probability α (bonus included)."""
     if alpha >= 1.0:
@@ -89,6 +92,8 @@ class MeasuredCosts:
     decay: float = 0.8
     draft_pass: dict[int, float] = field(default_factory=dict)
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    # steps at batch size B since scoring n tokens a row was last measured there, by (n, B)
+    age: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int,
                 scored: int | None = None, draft_clean: bool = True, draft_rows: int = 1) -> None:
@@ -103,7 +108,12 @@ class MeasuredCosts:
             # clip outliers (a pause, a backlog the bookkeeping missed) at twice the running estimate
             self.draft_pass[draft_rows] = per if old is None else _ewma(old, min(per, 2 * old), self.decay)
         key = (scored, batch_size)
-        self.verify[key] = verify_time if key not in self.verify else _ewma(self.verify[key], verify_time, self.decay)
+        # an old estimate weighs less against a new measurement (one per 8 steps it sat unmeasured)
+        keep = self.decay ** max(1.0, self.age.get(key, 0) / 8)
+        self.verify[key] = verify_time if key not in self.verify else _ewma(self.verify[key], verify_time, keep)
+        for other in self.verify:
+            if other[1] == batch_size:
+                self.age[other] = 0 if other == key else self.age.get(other, 0) + 1
 
     def draft_time(self, k: int, rows: int = 1) -> float | None:
         """Seconds for ``rows`` rows to draft k tokens each; None before a clean measurement supports it.
@@ -160,14 +170,22 @@ class MeasuredCosts:
             return max(float(coef @ np.array([1.0, n, batch_size, n * batch_size])), 1e-9)
         return None
 
-    def hopeful_verify_time(self, n: int, batch_size: int) -> float | None:
-        """The cheapest cost consistent with the measurements for a pass up to twice as long as the longest
-        measured one: that one's cost (scoring more never costs less, and may cost hardly more: on a CPU with
-        bf16 products 9 tokens cost ~1.3 one-token steps, and some shapes hit faster kernels than shorter
-        ones). Elsewhere :meth:`verify_time`."""
-        here = self._measured_at(batch_size)
-        if here and here[-1][0] < n <= 2 * here[-1][0]:
-            return here[-1][1]
+    def is_fresh(self, n: int, batch_size: int, stale_after: int = REMEASURE_AFTER) -> bool:
+        """Whether scoring n tokens a row at this batch size was measured within the last ``stale_after``
+        steps there."""
+        return (n, batch_size) in self.verify and self.age.get((n, batch_size), 0) < stale_after
+
+    def hopeful_verify_time(self, n: int, batch_size: int, stale_after: int = REMEASURE_AFTER) -> float | None:
+        """The cheapest cost consistent with what was measured lately, for a pass not measured lately (never,
+        or ``stale_after`` steps ago) and at most twice as long as a shorter one that was: that one's cost
+        (scoring more never costs less, and may cost hardly more: on a CPU with bf16 products 9 tokens cost
+        ~1.3 one-token steps, and some shapes hit faster kernels than shorter ones). Elsewhere
+        :meth:`verify_time`."""
+        if not self.is_fresh(n, batch_size, stale_after):
+            shorter = [(m, t) for m, t in self._measured_at(batch_size)
+                       if m < n and self.is_fresh(m, batch_size, stale_after)]
+            if shorter and n <= 2 * shorter[-1][0]:
+                return shorter[-1][1]
         return self.verify_time(n, batch_size)
 
 
@@ -208,6 +226,7 @@ class CostModelPolicy(GammaPolicy):
         self.alpha_by_proposer: dict[str, float] = {}
         self._proposer_sums: dict[str, list[float]] = {}  # decayed [accepted, tried] per proposer
         self._batch_idle, self._batch_wait = 0, probe_every
+        self._batch_k = 1  # the last batch choice (stale costs are re-measured only while drafting)
         self._last_step: dict | None = None
         self._last_rows = 0  # rows that drafted in the previous batch step (rows beyond it had a backlog)
         self._probe_row = None  # the sequence the last one-row step drafted in (measured again, if it can)
@@ -227,11 +246,13 @@ class CostModelPolicy(GammaPolicy):
     def begin(self, seq):
         self._state(seq)
 
-    def best_k(self, alpha: float, max_k: int, batch_size: int = 1, off: bool = False) -> int:
-        k = self._best([alpha], [max_k], batch_size, off)
+    def best_k(self, alpha: float, max_k: int, batch_size: int = 1, off: bool = False,
+               drafting: bool = True) -> int:
+        k = self._best([alpha], [max_k], batch_size, off, drafting)
         return 1 if k < 0 else k
 
-    def _best(self, alphas: list[float], max_ks: list[int], batch_size: int, off: bool = False) -> int:
+    def _best(self, alphas: list[float], max_ks: list[int], batch_size: int, off: bool = False,
+              drafting: bool = True) -> int:
         """The k (capped per row by max_ks) maximising the rows' expected tokens per second of one step."""
         cap = min(self.max_gamma, max(max_ks))
         if cap <= 0:
@@ -251,13 +272,17 @@ class CostModelPolicy(GammaPolicy):
         # the products outgrow the caches); running it measures it, and the next step decides again. Measuring
         # only the k that would win, not every k up to the cap, keeps exploration cheap where drafting loses.
         best = max(rates)
-        # Explore: a longer draft whose scoring pass is unmeasured, if it would clearly win were that pass no
-        # dearer than the longest measured one. A line through short passes misjudges long ones both ways
-        # (products jump where they outgrow the caches, and get cheaper per row where a faster kernel takes
-        # over), so it is measured, not trusted; each such step at most doubles the longest pass measured.
-        hopeful = self._rates(alphas, max_ks, batch_size, cap, hopeful=True)
+        # Explore: a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago),
+        # if it would clearly win were that pass no dearer than a shorter one measured lately. A line through
+        # short passes misjudges long ones both ways (products jump where they outgrow the caches, and get
+        # cheaper per row where a faster kernel takes over), and a measurement never repeated can lock in a
+        # pause; so it is measured again, not trusted. Each such step at most doubles a measured length.
+        # Old measurements are re-measured only while drafting (``drafting``: the last choice was k > 0): with
+        # speculation off only probes spend steps.
+        stale_after = REMEASURE_AFTER if drafting and not off else 1 << 62
+        hopeful = self._rates(alphas, max_ks, batch_size, cap, hopeful=stale_after)
         explore = max(range(cap + 1), key=lambda k: hopeful[k])
-        if not self.costs.is_measured(explore + 1, batch_size) \
+        if not self.costs.is_fresh(explore + 1, batch_size, stale_after) \
                 and hopeful[explore] > (1 + self.switch_on_margin) * best:
             return explore
         if off and best < (1 + self.switch_on_margin) * rates[0]:
@@ -267,10 +292,15 @@ class CostModelPolicy(GammaPolicy):
         return next(k for k, r in enumerate(rates) if r >= 0.99 * best)
 
     def _rates(self, alphas: list[float], max_ks: list[int], batch_size: int, cap: int,
-               hopeful: bool = False) -> list[float]:
+               hopeful: int | bool = False) -> list[float]:
         """Expected tokens per second of a step for k = 0..cap (unmeasured drafting counted as free); with
-        ``hopeful``, unmeasured scoring passes at their cheapest plausible cost (``hopeful_verify_time``)."""
-        scoring = self.costs.hopeful_verify_time if hopeful else self.costs.verify_time
+        ``hopeful`` (True, or the steps after which a measurement is stale), scoring passes not measured lately
+        at their cheapest plausible cost (``hopeful_verify_time``)."""
+        if hopeful:
+            after = REMEASURE_AFTER if hopeful is True else hopeful
+            scoring = lambda n, b: self.costs.hopeful_verify_time(n, b, after)  # noqa: E731
+        else:
+            scoring = self.costs.verify_time
         rates = []
         for k in range(cap + 1):
             ks = [min(k, m) for m in max_ks]
@@ -307,21 +337,23 @@ class CostModelPolicy(GammaPolicy):
     def choose(self, seq, max_k):
         state = self._state(seq)
         batch_size = seq.scratch.get("batch_size", 1)
-        k = self.best_k(self._alpha(seq), max_k, batch_size, state["idle"] > 0)
+        k = self.best_k(self._alpha(seq), max_k, batch_size, state["idle"] > 0, state.get("k", 1) > 0)
         can_probe = k == 0 and self._could_pay([max_k], batch_size)
         k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, can_probe)
+        state["k"] = k
         return k
 
     def choose_batch(self, seqs, max_ks):
         """One k for the whole step (each row capped by its own max_k); a probe drafts one token in one row
         only (the likeliest to be accepted), which is all it needs to learn whether α has changed."""
         alphas = [self._alpha(s) for s in seqs]
-        k = self._best(alphas, list(max_ks), len(seqs), self._batch_idle > 0)
+        k = self._best(alphas, list(max_ks), len(seqs), self._batch_idle > 0, self._batch_k > 0)
         if k < 0:  # measuring
             return [min(1, m) for m in max_ks]
         idle = k == 0
         can_probe = idle and self._could_pay(list(max_ks), len(seqs))
         k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, can_probe)
+        self._batch_k = k
         if idle and k > 0:  # a probe
             return self._one_row(seqs, alphas, max_ks)
         return [min(k, m) for m in max_ks]

@@ -4,7 +4,7 @@ import torch
 
 import specplug
 from specplug.plugins import UnknownProposerError, get_policy, list_policies
-from specplug.policies import CostModelPolicy, GammaPolicy, HeuristicPolicy, MeasuredCosts
+from specplug.policies import REMEASURE_AFTER, CostModelPolicy, GammaPolicy, HeuristicPolicy, MeasuredCosts
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
 from specplug.types import Proposal, Proposer
 
@@ -272,8 +272,10 @@ def test_cost_model_explores_a_dear_long_pass_once_and_then_stays_off(tiny_targe
     policy.begin(seq)
     assert run_with_true_costs(policy, seq, truth, 1.0, 2) == [0, 1]  # a plain step, then one token
     seq.scratch["policy:cost-model"].update(successes=0.9, trials=1.0)  # α = 0.9
-    chosen = run_with_true_costs(policy, seq, truth, 0.75, 12)
-    assert chosen[:2] == [1, 3] and set(chosen[2:]) == {0}
+    chosen = run_with_true_costs(policy, seq, truth, 0.75, 2 * REMEASURE_AFTER)
+    # it measures drafting once more, tries 3 and then 2 tokens (each could have paid had it cost no more than
+    # 2 tokens), finds both dear and stays off: a bounded price for not trusting the line
+    assert chosen[:4] == [1, 3, 2, 0] and set(chosen[4:]) == {0}
 
 
 def test_drafting_more_rows_is_never_estimated_cheaper_nor_fewer_rows_dearer():
@@ -298,3 +300,16 @@ def test_a_proposers_running_alpha_is_accepted_over_tried_not_a_mean_of_step_rat
     fresh = seq_state(tiny_target)
     fresh.scratch["proposer"] = "p"
     assert policy._alpha(fresh) == pytest.approx(0.8, abs=0.02)  # and a new request starts from it
+
+
+def test_cost_model_measures_a_stale_dear_choice_again_so_one_unlucky_measurement_does_not_stick(tiny_target):
+    truth = {1: 0.010, 2: 0.0105, 3: 0.011, 4: 0.0115, 5: 0.012}.get
+    policy = CostModelPolicy(max_gamma=4, probe_every=1000)
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    assert run_with_true_costs(policy, seq, truth, 1.0, 3) == [0, 1, 1]
+    paused = lambda n: 0.040 if n == 5 else truth(n)  # the first 4-token draft's pass caught a 28 ms pause
+    assert run_with_true_costs(policy, seq, paused, 1.0, 1) == [4]
+    chosen = run_with_true_costs(policy, seq, truth, 1.0, 8 * REMEASURE_AFTER)
+    assert 4 not in chosen[:REMEASURE_AFTER // 2]  # the pause makes k = 4 look dear for a while
+    assert chosen[-REMEASURE_AFTER:] == [4] * REMEASURE_AFTER  # measured again when stale: back to the best k
