@@ -78,3 +78,11 @@ class GreedyWithSoftQ(DraftModelProposer):
 def test_harness_rejects_greedy_draft_reporting_soft_q(small_vocab_dirs, small_target):
     dishonest = GreedyWithSoftQ(target=small_target, model=small_vocab_dirs["draft"])
     assert pvalue(small_target, dishonest, SETTINGS["temperature-1"], 1000) < EXACTNESS_ALPHA
+
+
+def test_speculative_sampling_with_bf16_products_matches_target_distribution(small_vocab_dirs):
+    """The zoo's default arithmetic (bf16 linear products, float32 elsewhere) changes p, not the rule."""
+    target = specplug.Target.from_pretrained(small_vocab_dirs["target"], matmul_dtype="bfloat16")
+    assert target.matmul_dtype == torch.bfloat16
+    proposer = make("draft-model", small_vocab_dirs, target)
+    assert pvalue(target, proposer, SETTINGS["temperature-1"]) > EXACTNESS_ALPHA
