@@ -29,10 +29,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     weights' dtype, cast back to x's, where the weights are kept narrower than x (see :func:`install`)."""
     if weight.dtype != x.dtype:
         flat = x.reshape(-1, x.shape[-1]).to(weight.dtype)
-        if flat.shape[0] == 1:  # one row takes another kernel, whose sums round differently: pad to two
-            return F.linear(torch.cat([flat, torch.zeros_like(flat)]), weight, bias)[:1].to(x.dtype).reshape(
-                *x.shape[:-1], weight.shape[0])
-        return F.linear(flat, weight, bias).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+        rows = flat.shape[0]
+        if rows == 1:  # one row takes another kernel, whose sums round differently: pad to two
+            flat = torch.cat([flat, torch.zeros_like(flat)])
+        return F.linear(flat, weight, bias)[:rows].to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 0 < rows <= MAX_ROWS or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return F.linear(x, weight, bias)

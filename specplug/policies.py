@@ -137,10 +137,6 @@ class MeasuredCosts:
         top_rows, top = measured[-1]
         return k * top * rows / top_rows
 
-    def is_measured(self, n: int, batch_size: int) -> bool:
-        """Whether scoring n tokens per row at this batch size has been measured (not just estimated)."""
-        return (n, batch_size) in self.verify
-
     def _measured_at(self, batch_size: int) -> list[tuple[int, float]]:
         """Measured (n, seconds) at this batch size by n, made non-decreasing: scoring more tokens does not
         cost less, so a pass measured dearer than a longer one (noise, or an odd kernel for that shape) is

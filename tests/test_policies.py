@@ -21,9 +21,6 @@ class ControlledCosts(MeasuredCosts):
     def verify_time(self, n, batch_size):
         return 0.010 + 0.0005 * n
 
-    def is_measured(self, n, batch_size):
-        return True
-
 
 def seq_state(target):
     return specplug.SequenceState(ids=[1, 2, 3], num_prompt=3, sampling=specplug.GREEDY,
@@ -182,9 +179,6 @@ class BatchCosts(MeasuredCosts):
 
     def verify_time(self, n, batch_size):
         return 0.010 + self.slope * n * batch_size
-
-    def is_measured(self, n, batch_size):
-        return True
 
 
 def test_cost_model_does_not_probe_where_even_full_acceptance_could_not_pay(tiny_target):
