@@ -106,7 +106,17 @@ ROWS, CALLS = 50, 30  # 1500 samples, batches of 50 rows plus 4 distractor rows 
 def test_batched_sampling_matches_target_distribution(name, setting, small_vocab_dirs, small_target):
     sampling = {"temperature-1": specplug.SamplingParams(temperature=1.0),
                 "top-k-3": specplug.SamplingParams(temperature=1.0, top_k=3)}[setting]
-    prop = proposer(name, small_vocab_dirs, small_target)
+    assert batched_pvalue(small_target, proposer(name, small_vocab_dirs, small_target), sampling) > EXACTNESS_ALPHA
+
+
+def test_batched_sampling_with_bf16_products_matches_target_distribution(small_vocab_dirs):
+    target = specplug.Target.from_pretrained(small_vocab_dirs["target"], matmul_dtype="bfloat16")
+    sampling = specplug.SamplingParams(temperature=1.0)
+    assert batched_pvalue(target, proposer("draft-model", small_vocab_dirs, target), sampling) > EXACTNESS_ALPHA
+
+
+def batched_pvalue(small_target, prop, sampling):
+    """Chi-square p-value of ROWS × CALLS batched samples of SMALL_PROMPT against the exact distribution."""
     expected = exact_distribution(small_target, SMALL_PROMPT, N_TOKENS, sampling)
     counts = Counter()
     for call in range(CALLS):
@@ -119,7 +129,7 @@ def test_batched_sampling_matches_target_distribution(name, setting, small_vocab
         for result in out[:ROWS]:
             counts[tuple(result.tokens)] += 1
     # pooled over rows; that no row is special is shown exactly by the reproduction tests above
-    assert chi_square_pvalue(counts, expected) > EXACTNESS_ALPHA
+    return chi_square_pvalue(counts, expected)
 
 
 def test_harness_on_batches_has_power(small_vocab_dirs, small_target, monkeypatch):
