@@ -9,6 +9,12 @@ import click
 from specplug.plugins import UnknownProposerError, failures, get_proposer, list_proposers
 
 
+matmul_dtype_option = click.option(
+    "--matmul-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
+    help="Keep linear weights in and multiply in this dtype; all else stays --dtype. auto: bfloat16 for a "
+         "bundled (bf16-trained) target on a CPU with native bf16 products, else --dtype.")
+
+
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
@@ -56,9 +62,7 @@ def main() -> None:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
-@click.option("--matmul-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
-              help="Keep linear weights in and multiply in this dtype; all else stays --dtype. auto: bfloat16 for a "
-                   "bundled (bf16-trained) target on a CPU with native bf16 products, else --dtype.")
+@matmul_dtype_option
 @click.option("--strict", is_flag=True, help="A failing proposer is an error instead of a counted fallback.")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens, text and stats as JSON.")
 def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_tokens, policy, temperature, top_k,
@@ -158,9 +162,7 @@ def _numbers(text: str, kind=float) -> list:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema specplug.compare/1).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
-@click.option("--matmul-dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True,
-              help="Keep linear weights in and multiply in this dtype; all else stays --dtype. auto: bfloat16 for a "
-                   "bundled (bf16-trained) target on a CPU with native bf16 products, else --dtype.")
+@matmul_dtype_option
 def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, temperatures, max_new_tokens,
             repeats, peer, batch_sizes, requests, html_path, as_json, device, dtype, matmul_dtype) -> None:
     """Compare proposers side by side against target-only decoding on real workloads."""

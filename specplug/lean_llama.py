@@ -140,13 +140,16 @@ class LeanLayer:
             # position's logits are bit-identical to target-only decoding's wherever the products are
             # row-invariant (see few_rows). One call for all T queries would sum in another order, and with
             # bf16 products such last-bit differences grow until a greedy near-tie flips.
-            out = torch.stack([self._attend_one(q[i], keys[:, :start + i + 1], values[:, :start + i + 1])
-                               for i in range(T)])
+            out = torch.stack(self._attend_each(q, keys, values, start))
         else:  # a prefill: query i sits at start + i and may see keys 0..start + i
             mask = torch.arange(start + T, device=x.device)[None] <= torch.arange(start, start + T, device=x.device)[:, None]
             out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scaling,
                                                  enable_gqa=self.heads != self.kv_heads).transpose(0, 1)
         return self._finish(x, out.reshape(T, -1))
+
+    def _attend_each(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> list[torch.Tensor]:
+        """Queries q [T, heads, d] at positions start.. attend one by one, each over the keys up to its own."""
+        return [self._attend_one(q[i], keys[:, :start + i + 1], values[:, :start + i + 1]) for i in range(q.shape[0])]
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Attention of one query q [heads, d] over keys/values [kv_heads, L, d] -> [heads, d]: two small
@@ -171,7 +174,7 @@ class LeanLayer:
         for cache, n in zip(caches, counts):
             start = cache.length
             keys, values = cache.append(k[at:at + n].transpose(0, 1), v[at:at + n].transpose(0, 1))
-            outs += [self._attend_one(q[at + i], keys[:, :start + i + 1], values[:, :start + i + 1]) for i in range(n)]
+            outs += self._attend_each(q[at:at + n], keys, values, start)
             at += n
         return self._finish(x, torch.stack(outs).reshape(x.shape[0], -1))
 

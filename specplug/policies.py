@@ -126,25 +126,19 @@ class MeasuredCosts:
             return 0.0
         if not self.draft_pass:
             return None
-        measured = sorted(self.draft_pass.items())
-        for i in range(len(measured) - 2, -1, -1):
-            measured[i] = (measured[i][0], min(measured[i][1], measured[i + 1][1]))
+        measured = _non_decreasing(list(self.draft_pass.items()))
         if rows <= measured[0][0]:
             return k * measured[0][1]
-        for (r0, t0), (r1, t1) in zip(measured, measured[1:]):
-            if r0 <= rows <= r1:
-                return k * (t0 + (t1 - t0) * (rows - r0) / (r1 - r0))
+        inside = _between(measured, rows)
+        if inside is not None:
+            return k * inside
         top_rows, top = measured[-1]
         return k * top * rows / top_rows
 
     def _measured_at(self, batch_size: int) -> list[tuple[int, float]]:
         """Measured (n, seconds) at this batch size by n, made non-decreasing: scoring more tokens does not
-        cost less, so a pass measured dearer than a longer one (noise, or an odd kernel for that shape) is
-        estimated at the longer one's cost."""
-        here = sorted((m, t) for (m, b), t in self.verify.items() if b == batch_size)
-        for i in range(len(here) - 2, -1, -1):
-            here[i] = (here[i][0], min(here[i][1], here[i + 1][1]))
-        return here
+        cost less, so a pass measured dearer than a longer one is estimated at the longer one's cost."""
+        return _non_decreasing([(m, t) for (m, b), t in self.verify.items() if b == batch_size])
 
     def verify_time(self, n: int, batch_size: int) -> float | None:
         """Seconds to score n tokens per row at this batch size: measured; between measured lengths
@@ -152,9 +146,9 @@ class MeasuredCosts:
         bilinear fit. None where nothing supports an estimate."""
         here = self._measured_at(batch_size)
         if len(here) >= 2 or (here and here[0][0] == n):
-            for (m0, t0), (m1, t1) in zip(here, here[1:]):
-                if m0 <= n <= m1:
-                    return t0 + (t1 - t0) * (n - m0) / (m1 - m0)
+            inside = _between(here, n)
+            if inside is not None:
+                return inside
             if here[0][0] == n:
                 return here[0][1]
             (m0, t0), (m1, t1) = here[-2:] if n > here[-1][0] else here[:2]
@@ -185,6 +179,23 @@ class MeasuredCosts:
         return self.verify_time(n, batch_size)
 
 
+def _non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Points sorted by x, each y lowered to the smallest y at or beyond its x (a cost that cannot fall as
+    x grows: a point above a later one is noise, or an odd kernel for that shape)."""
+    points = sorted(points)
+    for i in range(len(points) - 2, -1, -1):
+        points[i] = (points[i][0], min(points[i][1], points[i + 1][1]))
+    return points
+
+
+def _between(points: list[tuple[int, float]], x: float) -> float | None:
+    """Linear interpolation in sorted points, None outside them."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
 def _ewma(old: float, new: float, decay: float) -> float:
     return decay * old + (1 - decay) * new
 
@@ -197,9 +208,10 @@ class CostModelPolicy(GammaPolicy):
     then one drafted token in every row, twice (the first pays the drafter's backlog), then decides; a k
     chosen on an extrapolated scoring cost is measured by that step and the choice revisited. Scoring cost
     is not linear in the tokens scored (bf16 products are nearly flat in the rows, some shapes hit slower
-    kernels than longer ones), so where a longer draft would clearly win if its unmeasured scoring pass cost
-    no more than the longest measured one, it drafts that long once to measure it — at most twice the
-    longest measured pass per step, so a pass that proves dear costs a bounded step.
+    kernels than longer ones), so where a draft would clearly win if its scoring pass, unmeasured or not
+    measured for REMEASURE_AFTER steps while drafting, cost no more than a shorter pass measured lately, it
+    drafts that long to measure it — at most twice that shorter length, so a pass that proves dear costs a
+    bounded step.
 
     After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
     noticed, and it switches back on only for a predicted gain above ``switch_on_margin`` (every drafter then
@@ -263,10 +275,6 @@ class CostModelPolicy(GammaPolicy):
             # costs: one token in each, twice in a row, since the first also pays the drafter's backlog
             return -1
         rates = self._rates(alphas, max_ks, batch_size, cap)
-        # The smallest k within 1% of the best: measured costs are noisy, and drafting that buys nothing
-        # should not win a tie. Its scoring cost may be extrapolated (it is not linear in tokens: it jumps where
-        # the products outgrow the caches); running it measures it, and the next step decides again. Measuring
-        # only the k that would win, not every k up to the cap, keeps exploration cheap where drafting loses.
         best = max(rates)
         # Explore: a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago),
         # if it would clearly win were that pass no dearer than a shorter one measured lately. A line through
@@ -276,7 +284,7 @@ class CostModelPolicy(GammaPolicy):
         # Old measurements are re-measured only while drafting (``drafting``: the last choice was k > 0): with
         # speculation off only probes spend steps.
         stale_after = REMEASURE_AFTER if drafting and not off else 1 << 62
-        hopeful = self._rates(alphas, max_ks, batch_size, cap, hopeful=stale_after)
+        hopeful = self._rates(alphas, max_ks, batch_size, cap, stale_after)
         explore = max(range(cap + 1), key=lambda k: hopeful[k])
         if not self.costs.is_fresh(explore + 1, batch_size, stale_after) \
                 and hopeful[explore] > (1 + self.switch_on_margin) * best:
@@ -285,18 +293,20 @@ class CostModelPolicy(GammaPolicy):
             # switching speculation on makes every drafter catch up on what it missed: a small predicted gain
             # would not repay that (and would flap on noise)
             return 0
+        # The smallest k within 1% of the best: measured costs are noisy, and drafting that buys nothing
+        # should not win a tie. Its scoring cost may be extrapolated; running it measures it, and the next
+        # step decides again.
         return next(k for k, r in enumerate(rates) if r >= 0.99 * best)
 
     def _rates(self, alphas: list[float], max_ks: list[int], batch_size: int, cap: int,
-               hopeful: int | bool = False) -> list[float]:
+               stale_after: int | None = None) -> list[float]:
         """Expected tokens per second of a step for k = 0..cap (unmeasured drafting counted as free); with
-        ``hopeful`` (True, or the steps after which a measurement is stale), scoring passes not measured lately
-        at their cheapest plausible cost (``hopeful_verify_time``)."""
-        if hopeful:
-            after = REMEASURE_AFTER if hopeful is True else hopeful
-            scoring = lambda n, b: self.costs.hopeful_verify_time(n, b, after)  # noqa: E731
-        else:
+        ``stale_after``, scoring passes not measured within that many steps at their cheapest plausible cost
+        (``hopeful_verify_time``)."""
+        if stale_after is None:
             scoring = self.costs.verify_time
+        else:
+            scoring = lambda n, b: self.costs.hopeful_verify_time(n, b, stale_after)  # noqa: E731
         rates = []
         for k in range(cap + 1):
             ks = [min(k, m) for m in max_ks]
@@ -315,7 +325,7 @@ class CostModelPolicy(GammaPolicy):
         cap = min(self.max_gamma, max(max_ks, default=0))
         if cap <= 0 or self.costs.verify_time(2, batch_size) is None:
             return cap > 0
-        rates = self._rates([1.0] * len(max_ks), max_ks, batch_size, cap, hopeful)
+        rates = self._rates([1.0] * len(max_ks), max_ks, batch_size, cap, REMEASURE_AFTER if hopeful else None)
         return max(rates[1:]) > (1 + self.switch_on_margin) * rates[0]
 
     def _probe(self, idle: int, wait: int, k: int, can_draft: bool) -> tuple[int, int, int]:

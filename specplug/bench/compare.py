@@ -144,12 +144,17 @@ def _median(values):
     return float(statistics.median(values)) if values else None
 
 
+def target_info(target) -> dict:
+    """The report's description of the target (shared with the load bench)."""
+    return {"name": target.name, "parameters": sum(p.numel() for p in target.model.parameters()),
+            "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+            "matmul_dtype": str(target.matmul_dtype or target.dtype).replace("torch.", "")}
+
+
 def _report(target, runs, ours, skipped, memory, workloads, gammas, temperatures, max_new_tokens, repeats, peer):
     report = {
         "schema": SCHEMA,
-        "target": {"name": target.name, "parameters": sum(p.numel() for p in target.model.parameters()),
-                   "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
-                   "matmul_dtype": str(target.matmul_dtype or target.dtype).replace("torch.", "")},
+        "target": target_info(target),
         "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "gammas": list(gammas),
                      "temperatures": list(temperatures), "peer": peer,
                      "workloads": [{"name": w.name, "prompts": len(w.prompts), "samples": w.samples}

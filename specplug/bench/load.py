@@ -31,7 +31,7 @@ from specplug.plugins import get_proposer
 from specplug.sampling import SamplingParams
 from specplug.target import Target
 
-from .compare import ProposerSpec, attachable
+from .compare import ProposerSpec, attachable, target_info
 
 SCHEMA = "specplug.load/1"
 
@@ -138,9 +138,7 @@ def _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new
             temperature, repeats) -> dict:
     report = {
         "schema": SCHEMA,
-        "target": {"name": target.name, "parameters": sum(p.numel() for p in target.model.parameters()),
-                   "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
-                   "matmul_dtype": str(target.matmul_dtype or target.dtype).replace("torch.", "")},
+        "target": target_info(target),
         "settings": {"batch_sizes": list(batch_sizes), "gammas": list(gammas), "policies": list(policies or {}),
                      "max_new_tokens": max_new_tokens, "prompts": n_prompts, "requests": requests,
                      "temperature": temperature,
