@@ -60,15 +60,17 @@ class DraftModelProposer(Proposer):
         # the lean path is chosen below (fast=); the Target wrapper is for HF's forward, vocabulary and text
         self.draft = Target(lm, tokenizer, name=str(getattr(lm.config, "_name_or_path", "")) or "draft", lean=False)
         _check_vocabulary(target, self.draft)
-        self.lean, self.lean_note = lean_or_reason(lm) if fast else (None, "fast=False")
+        # one-row copies: drafting is one row a step, and the draft's small matrices multiply one row fastest
+        # column-major (see lean_llama.Product)
+        self.lean, self.lean_note = lean_or_reason(lm, one_row_copies=True) if fast else (None, "fast=False")
         self.subset = _vocab_subset(vocab, None if isinstance(model, torch.nn.Module) else model, target.vocab_size)
         self.vocab_size = target.vocab_size
         if self.subset is not None:
             self.subset = self.subset.to(device)
             if self.lean is not None:  # the head computes only the subset's rows: a copy of N of its V rows
                 head = lm.get_output_embeddings()
-                self.lean.head = (head.weight.detach()[self.subset].contiguous(),
-                                  None if head.bias is None else head.bias.detach()[self.subset].contiguous())
+                self.lean.set_head(head.weight.detach()[self.subset].contiguous(),
+                                   None if head.bias is None else head.bias.detach()[self.subset].contiguous())
 
     def _new_state(self) -> KVState | LeanCache:
         return self.lean.new_cache() if self.lean is not None else KVState()
@@ -178,8 +180,8 @@ class DraftModelProposer(Proposer):
         seq.scratch.pop(self.name, None)
 
     def memory_bytes(self) -> int:
-        head = self.lean.head if self.lean is not None and self.lean.head is not None else ()
-        return sum(p.numel() * p.element_size() for p in (*self.draft.model.parameters(), *head) if p is not None)
+        extra = self.lean.extra_bytes() if self.lean is not None else 0
+        return extra + sum(p.numel() * p.element_size() for p in self.draft.model.parameters())
 
 
 def _default_draft(target: Target):

@@ -29,6 +29,32 @@ def test_lean_forward_matches_hf_through_steps_and_rollbacks(tiny_dirs):
     assert cache.length > 256
 
 
+def test_one_row_copies_change_only_the_layout_of_products(tiny_dirs):
+    """A drafter's column-major one-row copies: the same logits (to float rounding) through steps and
+    several-row passes, used for one-row inputs only, and counted as the memory they take."""
+    draft = specplug.Target.from_pretrained(tiny_dirs["draft"], lean=False)
+    plain, _ = lean_or_reason(draft.model)
+    copied, why = lean_or_reason(draft.model, one_row_copies=True)
+    assert copied is not None, why
+    product = copied.layers[0].qkv
+    assert product.one_row is not None and not product.one_row.is_contiguous()
+    assert product.one_row.data_ptr() != product.weight.data_ptr()
+    assert plain.extra_bytes() == 0
+    assert copied.extra_bytes() == sum(p.weight.numel() * 4 for layer in copied.layers for p in layer.products()) \
+        + copied.head.weight.numel() * 4
+    caches = plain.new_cache(), copied.new_cache()
+    gen = torch.Generator().manual_seed(4)
+    for n in (7, 1, 1, 3, 1):
+        chunk = torch.randint(0, draft.vocab_size, (n,), generator=gen).tolist()
+        want, got = (lean.forward(cache, chunk, last_only=False) for lean, cache in zip((plain, copied), caches))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # poison the copy: only the one-row step may read it
+    product.one_row = torch.full_like(product.weight, float("nan")).t().contiguous().t()
+    assert copied.forward(caches[1], [1]).isnan().all()
+    caches[1].crop(caches[1].length - 1)
+    assert not copied.forward(caches[1], [1, 2]).isnan().any()
+
+
 def test_lean_path_refuses_other_architectures_and_dynamic_rope(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
