@@ -36,11 +36,17 @@ class DraftModelProposer(Proposer):
     def __init__(self, target: Target | None = None, model: str | os.PathLike | torch.nn.Module | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                  trust_remote_code: bool = False, fast: bool = True,
-                 vocab: int | Sequence[int] | str | None = None):
+                 vocab: int | Sequence[int] | str | None = None, stop_below: float | str | None = None):
         """``vocab``: draft only among these token ids (a list), or among the ``vocab`` most frequent ones (an
         int: the draft's directory must hold ``frequent_tokens.json``, as the bundled draft's does; ``specplug
         train token-ranks`` writes one), or over the whole vocabulary (``"all"``). None (the default) takes the
-        ``default_vocab`` that file recommends, if it has one, else the whole vocabulary."""
+        ``default_vocab`` that file recommends, if it has one, else the whole vocabulary.
+
+        ``stop_below``: end a draft early once the draft's own probability of the token it just drafted falls
+        below this (the token is still proposed; drafting beyond it would mostly be rejected). The draft's
+        length then depends only on the draft's own draws, so the verifier stays exact. None (the default)
+        takes the draft directory's recommendation (``frequent_tokens.json``'s ``stop_below``), if any; 0
+        turns it off."""
         if target is None:
             raise TypeError("draft-model needs target= (the Target it drafts for)")
         if model is None:
@@ -63,7 +69,9 @@ class DraftModelProposer(Proposer):
         # one-row copies: drafting is one row a step, and the draft's small matrices multiply one row fastest
         # column-major (see lean_llama.Product)
         self.lean, self.lean_note = lean_or_reason(lm, one_row_copies=True) if fast else (None, "fast=False")
-        self.subset = _vocab_subset(vocab, None if isinstance(model, torch.nn.Module) else model, target.vocab_size)
+        model_dir = None if isinstance(model, torch.nn.Module) else model
+        self.subset = _vocab_subset(vocab, model_dir, target.vocab_size)
+        self.stop_below = _stop_below(stop_below, model_dir)
         self.vocab_size = target.vocab_size
         if self.subset is not None:
             self.subset = self.subset.to(device)
@@ -88,14 +96,24 @@ class DraftModelProposer(Proposer):
         logits = self.draft.forward(state, tokens, logits_to_keep=1).logits[-1]
         return logits if self.subset is None else logits[self.subset]
 
-    def _draw(self, logits: torch.Tensor, seq: SequenceState) -> tuple[int, torch.Tensor | None]:
-        """A token and its q over the whole vocabulary from logits over the drafting vocabulary."""
+    def _draw(self, logits: torch.Tensor, seq: SequenceState) -> tuple[int, torch.Tensor | None, bool]:
+        """A token and its q over the whole vocabulary from logits over the drafting vocabulary, and whether
+        drafting may go on after it (see ``stop_below``)."""
         token, q = draw(logits, seq.sampling, seq.rng, self._sample)
+        go_on = not self.stop_below or self._confidence(logits, token, q) >= self.stop_below
         if self.subset is None:
-            return token, q
+            return token, q, go_on
         if q is not None:  # zero outside the subset: the token was drawn from exactly this
             q = q.new_zeros(self.vocab_size).index_copy_(0, self.subset, q)
-        return int(self.subset[token]), q
+        return int(self.subset[token]), q, go_on
+
+    @staticmethod
+    def _confidence(logits: torch.Tensor, token: int, q: torch.Tensor | None) -> float:
+        """The draft's probability of the token it drew: q(token) when sampling; under greedy decoding (q a
+        point mass) the unprocessed softmax's top probability."""
+        if q is not None:
+            return float(q[token])
+        return float(torch.softmax(logits.float(), -1)[token])
 
     def begin(self, seq: SequenceState) -> None:
         seq.scratch[self.name] = self._new_state()
@@ -111,10 +129,12 @@ class DraftModelProposer(Proposer):
         logits = self._next_logits(state, seq.ids[state.length:])
         tokens, q_rows = [], []
         for i in range(k):
-            token, q = self._draw(logits, seq)
+            token, q, go_on = self._draw(logits, seq)
             tokens.append(token)
             if q is not None:
                 q_rows.append(q)
+            if not go_on:
+                break
             if i + 1 < k:
                 logits = self._next_logits(state, [token])
         device = seq.target.device
@@ -141,18 +161,24 @@ class DraftModelProposer(Proposer):
         live, feed = rows, [seqs[j].ids[states[j].length:] for j in rows]
         while live:
             logits = self.lean.forward_rows([states[j] for j in live], feed)
+            stopped = set()
             if all(seqs[j].sampling.greedy for j in live):  # one argmax for all rows
                 best = logits.float().argmax(-1)
                 for j, token in zip(live, (best if self.subset is None else self.subset[best]).tolist()):
                     tokens[j].append(token)
+                if self.stop_below:
+                    top = torch.softmax(logits.float(), -1).amax(-1).tolist()
+                    stopped = {j for j, p in zip(live, top) if p < self.stop_below}
             else:
                 for row, j in enumerate(live):
-                    token, q = self._draw(logits[row], seqs[j])
+                    token, q, go_on = self._draw(logits[row], seqs[j])
                     tokens[j].append(token)
                     if q is not None:
                         q_rows[j].append(q)
+                    if not go_on:
+                        stopped.add(j)
             # a row's last draft is never fed (propose does the same): the next step feeds what was accepted
-            live = [j for j in live if len(tokens[j]) < ks[j]]
+            live = [j for j in live if len(tokens[j]) < ks[j] and j not in stopped]
             feed = [tokens[j][-1] for j in live]
         out = []
         for j, seq in enumerate(seqs):
@@ -193,6 +219,23 @@ def _default_draft(target: Target):
 
 
 FREQUENT_TOKENS = "frequent_tokens.json"
+
+
+def _stop_below(value, model_dir) -> float:
+    """The early-stop threshold: the value given, else the draft directory's recommendation, else off (0)."""
+    if value is None:
+        ranks_file = Path(model_dir) / FREQUENT_TOKENS if model_dir is not None else None
+        if ranks_file is not None and ranks_file.is_file():
+            value = json.loads(ranks_file.read_text()).get("stop_below")
+    if value is None:
+        return 0.0
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"draft-model: stop_below must be a probability in [0, 1), got {value!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"draft-model: stop_below must be a probability in [0, 1), got {value}")
+    return value
 
 
 def _vocab_subset(vocab, model_dir, vocab_size: int) -> torch.Tensor | None:
