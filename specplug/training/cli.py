@@ -9,7 +9,13 @@ The bundled weights were made with (W = a work dir outside the repo):
         --batch-size 16 --seq-len 512 --lr 2e-3 --warmup 30 --seed 1234
     specplug train draft --work-dir W/draft-kd --tokenizer W/tokenizer --teacher W/target \
         --init-from W/draft-ce --steps 700 --batch-size 8 --seq-len 512 --lr 1e-3 --warmup 20 \
-        --seed 4321 --out specplug/models/pycode-draft
+        --seed 4321 --out W/draft-kd-export
+    specplug train draft --work-dir W/draft-kd2 --tokenizer W/tokenizer --teacher W/target \
+        --init-from W/draft-kd --steps 700 --batch-size 8 --seq-len 512 --lr 5e-4 --warmup 20 \
+        --seed 777 --threads 1 --out W/draft-kd2-export
+    specplug train draft --work-dir W/draft-kd3 --tokenizer W/tokenizer --teacher W/target \
+        --init-from W/draft-kd2 --steps 700 --batch-size 8 --seq-len 512 --lr 3e-4 --warmup 20 \
+        --seed 999 --threads 1 --out specplug/models/pycode-draft
     specplug train report --target specplug/models/pycode --draft specplug/models/pycode-draft \
         --tokenizer W/tokenizer
     specplug train token-ranks --tokenizer specplug/models/pycode --default-vocab 2048 \
@@ -18,7 +24,9 @@ The bundled weights were made with (W = a work dir outside the repo):
 (`python -m specplug.training.cli ...` is the same group.)  The bundled target's run had
 its --steps lowered mid-run (2000 -> 1500 -> 1400 -> 1050 -> 900, at steps 20/89/734/751/763,
 to fit a shared machine), so a fresh `--steps 900` run follows a slightly different cosine
-schedule; the draft runs match their commands (the total only changed during warmup).  Runs are resumable:
+schedule; the draft runs match their commands (the total only changed during warmup).  The draft
+was distilled in three rounds of 2.9 M tokens (different seeds, so different batches; each round
+restarts the schedule from its --lr): greedy top-1 agreement with the target 0.74 -> 0.77 -> 0.79.  Runs are resumable:
 rerunning a command with the same --work-dir continues from its last checkpoint
 (SIGTERM/Ctrl-C saves one); batches depend only on (seed, step).
 """
