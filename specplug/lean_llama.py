@@ -161,12 +161,11 @@ class LeanLayer:
         return LayerCache(self.kv_heads, self.head_dim, w.device, w.dtype)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Rotated q (times the attention scaling), k and v of rows x [N, h]: each [N, heads, head_dim]."""
+        """Rotated q, k and v of rows x [N, h]: each [N, heads, head_dim] (rotary on q and k at once)."""
         H, G = self.heads, self.kv_heads
         qkv = self.qkv(self.norm_in(x)).view(x.shape[0], H + 2 * G, -1)
         qk = _rotate(qkv[:, : H + G], cos[:, None], sin[:, None])
-        # scaled here, once for all rows, rather than each query's scores: one op a layer instead of one a query
-        return qk[:, :H] * self.scaling, qk[:, H:], qkv[:, H + G:]
+        return qk[:, :H], qk[:, H:], qkv[:, H + G:]
 
     def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Output projection and residual, then the MLP block: attended [N, heads·head_dim] -> [N, h]."""
@@ -184,22 +183,23 @@ class LeanLayer:
             # position's logits are bit-identical to target-only decoding's wherever the products are
             # row-invariant (see few_rows). One call for all T queries would sum in another order, and with
             # bf16 products such last-bit differences grow until a greedy near-tie flips.
-            out = torch.stack(self._attend_each(q, keys, values, start))
+            out = torch.stack(self._attend_each(q * self.scaling, keys, values, start))
         else:  # a prefill: query i sits at start + i and may see keys 0..start + i
             mask = torch.arange(start + T, device=x.device)[None] <= torch.arange(start, start + T, device=x.device)[:, None]
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=1.0,
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scaling,
                                                  enable_gqa=self.heads != self.kv_heads).transpose(0, 1)
         return self._finish(x, out.reshape(T, -1))
 
     def _attend_each(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> list[torch.Tensor]:
-        """Queries q [T, heads, d] at positions start.. attend one by one, each over the keys up to its own."""
+        """Queries q [T, heads, d] at positions start.. attend one by one, each over the keys up to its own.
+        q comes scaled (once for all rows, rather than each query's scores: one op a layer, not one a query)."""
         return [self._attend_one(q[i], keys[:, :start + i + 1], values[:, :start + i + 1]) for i in range(q.shape[0])]
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Attention of one query q [heads, d] over keys/values [kv_heads, L, d] -> [heads, d]: two small
         products and a softmax, about half the time of torch's fused attention on one query (CPU)."""
         grouped = q.reshape(self.kv_heads, -1, q.shape[-1])  # the heads that share a kv head, as HF pairs them
-        scores = torch.bmm(grouped, keys.transpose(1, 2))  # q comes scaled (see _qkv)
+        scores = torch.bmm(grouped, keys.transpose(1, 2))  # q comes scaled (see _attend_each)
         if scores.dtype == torch.float32:
             weights = torch.softmax(scores, -1)
         else:  # HF's eager attention: softmax in float32
@@ -218,7 +218,7 @@ class LeanLayer:
         for cache, n in zip(caches, counts):
             start = cache.length
             keys, values = cache.append(k[at:at + n].transpose(0, 1), v[at:at + n].transpose(0, 1))
-            outs += self._attend_each(q[at:at + n], keys, values, start)
+            outs += self._attend_each(q[at:at + n] * self.scaling, keys, values, start)
             at += n
         return self._finish(x, torch.stack(outs).reshape(x.shape[0], -1))
 
