@@ -47,6 +47,18 @@ def test_greedy_speculative_output_equals_target_only_on_humaneval(prompt, pycod
     assert spec.stats.target_calls < base.stats.target_calls  # a trained pair accepts something
 
 
+@pytest.mark.parametrize("prompt", humaneval_prompts(3), ids=[f"humaneval-{i}" for i in range(3)])
+def test_target_only_greedy_output_equals_hf_generate_on_the_same_model(prompt, pycode):
+    """The lean forward is the model users loaded: HF's own greedy ``generate`` on it (same products) agrees
+    token for token. A last-bit change in how the prompt is cached was enough to break this with bf16."""
+    ids = torch.tensor([pycode.encode(prompt)])
+    with torch.inference_mode():
+        hf = pycode.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64,
+                                   min_new_tokens=64, pad_token_id=pycode.tokenizer.pad_token_id)
+    ours = specplug.generate(pycode, None, prompt, max_new_tokens=64, sampling=specplug.GREEDY)
+    assert ours.tokens == hf[0, ids.shape[1]:].tolist()
+
+
 def test_tokenizer_round_trips_source_text(pycode):
     import json as module
 
