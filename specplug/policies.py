@@ -67,6 +67,34 @@ class HeuristicPolicy(GammaPolicy):
 
 
 REMEASURE_AFTER = 32  # steps at a batch size after which a measured scoring cost counts as stale
+LINE_DECAY = 0.95  # weight of older drafting steps in the fixed + per-pass fit (slower than α's: k must vary)
+
+
+@dataclass
+class _Line:
+    """Decayed least squares of seconds = fixed + per_pass × passes over drafting steps."""
+
+    w: float = 0.0
+    n: float = 0.0
+    nn: float = 0.0
+    t: float = 0.0
+    nt: float = 0.0
+
+    def add(self, passes: int, seconds: float, decay: float = LINE_DECAY) -> None:
+        self.w, self.n, self.nn = decay * self.w + 1, decay * self.n + passes, decay * self.nn + passes * passes
+        self.t, self.nt = decay * self.t + seconds, decay * self.nt + passes * seconds
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed, per_pass); proportional (fixed 0) until the passes drafted vary enough to tell them apart,
+        and wherever the fit is not a plausible cost (a negative part)."""
+        mean_n, mean_t = self.n / self.w, self.t / self.w
+        spread = self.nn / self.w - mean_n * mean_n
+        if spread >= 0.25:
+            per = (self.nt / self.w - mean_n * mean_t) / spread
+            fixed = mean_t - per * mean_n
+            if per > 0 and fixed >= 0:
+                return fixed, per
+        return 0.0, mean_t / mean_n
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -81,16 +109,21 @@ class MeasuredCosts:
     """Online cost estimates, measured, never assumed (``None`` until something supports an estimate; the
     policy then measures instead of guessing):
 
-    - drafting: seconds of one drafting pass (one token in each of ``rows`` rows), by rows drafting; a
-      per-row drafter costs ~rows passes, a batched one (``propose_batch``) much less. Unseen row counts
-      are interpolated (see :meth:`draft_time`).
+    - drafting: seconds of a step's drafting as a fixed part plus one per pass (one token in each of
+      ``rows`` rows), by rows drafting; a per-row drafter costs ~rows passes, a batched one
+      (``propose_batch``) much less. The fixed part is real: a step's first pass also feeds what the target
+      accepted and finds the drafter's weights evicted by the target's pass (zoo draft, batch 1: ~0.6 ms +
+      0.23 ms a token), so a per-token average taken at one k overprices longer drafts and underprices
+      shorter ones. Unseen row counts are interpolated (see :meth:`draft_time`).
     - scoring: seconds of the target's pass over n tokens per row at batch size B: a decayed mean per
       measured (n, B), made non-decreasing in n; between measured n interpolated, beyond them a line through
       the two nearest, at an unmeasured B a bilinear fit a + b·n + c·B + d·n·B.
     """
 
     decay: float = 0.8
-    draft_pass: dict[int, float] = field(default_factory=dict)
+    draft_pass: dict[int, float] = field(default_factory=dict)  # seconds per pass, by rows
+    draft_fixed: dict[int, float] = field(default_factory=dict)  # seconds per step beyond them, by rows
+    _draft_lines: dict[int, _Line] = field(default_factory=dict)
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     # steps at batch size B since scoring n tokens a row was last measured there, by (n, B)
     age: dict[tuple[int, int], int] = field(default_factory=dict)
@@ -103,10 +136,13 @@ class MeasuredCosts:
         after steps without drafting: the prompt, tokens emitted meanwhile), so it is not a drafting cost."""
         scored = scored or proposed + 1
         if proposed and draft_clean and scored > 1:
-            per = draft_time / (scored - 1)
-            old = self.draft_pass.get(draft_rows)
-            # clip outliers (a pause, a backlog the bookkeeping missed) at twice the running estimate
-            self.draft_pass[draft_rows] = per if old is None else _ewma(old, min(per, 2 * old), self.decay)
+            passes = scored - 1
+            line = self._draft_lines.setdefault(draft_rows, _Line())
+            if line.w:  # clip outliers (a pause, a backlog the bookkeeping missed) at twice the estimate
+                fixed, per = line.fit()
+                draft_time = min(draft_time, 2 * (fixed + per * passes))
+            line.add(passes, draft_time)
+            self.draft_fixed[draft_rows], self.draft_pass[draft_rows] = line.fit()
         key = (scored, batch_size)
         # an old estimate weighs less against a new measurement (one per 8 steps it sat unmeasured)
         keep = self.decay ** max(1.0, self.age.get(key, 0) / 8)
@@ -126,14 +162,14 @@ class MeasuredCosts:
             return 0.0
         if not self.draft_pass:
             return None
-        measured = _non_decreasing(list(self.draft_pass.items()))
+        measured = _non_decreasing([(r, self.draft_fixed.get(r, 0.0) + k * per) for r, per in self.draft_pass.items()])
         if rows <= measured[0][0]:
-            return k * measured[0][1]
+            return measured[0][1]
         inside = _between(measured, rows)
         if inside is not None:
-            return k * inside
+            return inside
         top_rows, top = measured[-1]
-        return k * top * rows / top_rows
+        return top * rows / top_rows
 
     def _measured_at(self, batch_size: int) -> list[tuple[int, float]]:
         """Measured (n, seconds) at this batch size by n, made non-decreasing: scoring more tokens does not

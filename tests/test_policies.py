@@ -227,6 +227,23 @@ def test_measured_costs_learn_how_drafting_scales_with_the_rows_drafting():
     assert costs.draft_time(1, 8) == pytest.approx(0.0015)
 
 
+def test_drafting_cost_separates_a_fixed_part_per_step_from_the_cost_per_token():
+    """A step's first drafting pass also feeds the accepted tokens and finds the draft's weights evicted, so
+    drafting costs fixed + per_token × k; an average per token taken at one k would misprice other k."""
+    costs = MeasuredCosts()
+    truth = lambda k: 0.0006 + 0.0002 * k
+    costs.observe(4, truth(4), 0.004, 1)
+    assert costs.draft_time(8) == pytest.approx(2 * truth(4))  # one k seen: proportional, nothing better known
+    for k in (2, 6, 4, 8, 3, 5):
+        costs.observe(k, truth(k), 0.004, 1)
+    assert costs.draft_time(8) == pytest.approx(truth(8), rel=0.01)
+    assert costs.draft_time(1) == pytest.approx(truth(1), rel=0.01)
+    noisy = MeasuredCosts()
+    for k, seconds in [(2, 0.0010), (4, 0.0009), (3, 0.0011)]:  # falls with k: noise, not a cost
+        noisy.observe(k, seconds, 0.004, 1)
+    assert noisy.draft_fixed[1] == 0 and noisy.draft_time(6) == pytest.approx(6 * 0.003 / 9, rel=0.05)
+
+
 def test_cost_model_switches_back_on_only_for_a_clear_gain(tiny_target):
     # α = 0.2 with ControlledCosts: drafting one token is predicted 5% faster than not drafting
     policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=1000)
