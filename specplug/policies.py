@@ -144,6 +144,11 @@ class MeasuredCosts:
             line.add(passes, draft_time)
             self.draft_fixed[draft_rows], self.draft_pass[draft_rows] = line.fit()
         key = (scored, batch_size)
+        expected = self.verify_time(scored, batch_size) if self._measured_at(batch_size) else None
+        if expected is not None:
+            # a pause (the machine is shared) clipped at twice what the table expects, as for drafting: one
+            # 100 ms pass among 30 ms ones once kept k at 1 for the rest of a 30-step batch
+            verify_time = min(verify_time, 2 * expected)
         # an old estimate weighs less against a new measurement (one per 8 steps it sat unmeasured)
         keep = self.decay ** max(1.0, self.age.get(key, 0) / 8)
         self.verify[key] = verify_time if key not in self.verify else _ewma(self.verify[key], verify_time, keep)

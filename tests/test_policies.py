@@ -244,6 +244,18 @@ def test_drafting_cost_separates_a_fixed_part_per_step_from_the_cost_per_token()
     assert noisy.draft_fixed[1] == 0 and noisy.draft_time(6) == pytest.approx(6 * 0.003 / 9, rel=0.05)
 
 
+def test_a_scoring_pass_that_caught_a_pause_moves_the_estimate_by_at_most_twice_the_expected_cost():
+    costs = MeasuredCosts()
+    for n in (1, 3, 5):
+        costs.observe(n - 1, 0.0, 0.010 + 0.001 * n, 1)
+    costs.observe(4, 0.0, 0.100, 1)  # the 5-token pass caught a 85 ms pause
+    assert costs.verify_time(5, 1) == pytest.approx(0.8 * 0.015 + 0.2 * 0.030)
+    first = MeasuredCosts()
+    first.observe(0, 0.0, 0.010, 1)
+    first.observe(1, 0.0, 0.100, 1)  # nothing to expect a 2-token pass's cost from: taken as measured
+    assert first.verify_time(2, 1) == pytest.approx(0.100)
+
+
 def test_cost_model_switches_back_on_only_for_a_clear_gain(tiny_target):
     # α = 0.2 with ControlledCosts: drafting one token is predicted 5% faster than not drafting
     policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=1000)
