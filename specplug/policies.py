@@ -334,10 +334,13 @@ class CostModelPolicy(GammaPolicy):
             # switching speculation on makes every drafter catch up on what it missed: a small predicted gain
             # would not repay that (and would flap on noise)
             return 0
-        # The smallest k within 1% of the best: measured costs are noisy, and drafting that buys nothing
-        # should not win a tie. Its scoring cost may be extrapolated; running it measures it, and the next
-        # step decides again.
-        return next(k for k, r in enumerate(rates) if r >= 0.99 * best)
+        # No drafting where it is within 1% of the best: measured costs are noisy, and drafting that buys
+        # nothing should not win a tie. Among drafting lengths the best predicted (a tie margin there drafted
+        # shorter than the best static γ in every load run). Its scoring cost may be extrapolated; running it
+        # measures it, and the next step decides again.
+        if rates[0] >= 0.99 * best:
+            return 0
+        return max(range(1, len(rates)), key=lambda k: rates[k])
 
     def _rates(self, alphas: list[float], max_ks: list[int], batch_size: int, cap: int,
                stale_after: int | None = None) -> list[float]:

@@ -44,6 +44,23 @@ def test_cost_model_chooses_no_speculation_when_drafts_are_never_accepted(tiny_t
     assert policy.choose(seq, 8) == 0
 
 
+def test_cost_model_drafts_the_best_predicted_length_not_the_shortest_near_it(tiny_target):
+    """Where several lengths predict nearly the same rate, the best one: a tie margin among them drafted
+    shorter than the best static γ in every load run."""
+    from specplug.policies import expected_tokens
+
+    policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts(), probe_every=1000)
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    for _ in range(30):  # α = 0.8: k = 5, 6, 7 within 1% of each other, 6 the best
+        policy.update(seq, 5, 4, 0.005, 0.013)
+    alpha = policy._alpha(seq)
+    rates = [expected_tokens(alpha, k) / (0.001 * k + 0.010 + 0.0005 * (k + 1)) for k in range(9)]
+    best = max(range(9), key=lambda k: rates[k])
+    assert min(k for k in range(1, 9) if rates[k] >= 0.99 * rates[best]) < best  # a near-tie exists
+    assert policy.choose(seq, 8) == best
+
+
 def test_cost_model_chooses_a_large_k_when_drafts_are_always_accepted(tiny_target):
     policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts())
     seq = seq_state(tiny_target)
