@@ -69,9 +69,9 @@ class DraftModelProposer(Proposer):
         # one-row copies: drafting is one row a step, and the draft's small matrices multiply one row fastest
         # column-major (see lean_llama.Product)
         self.lean, self.lean_note = lean_or_reason(lm, one_row_copies=True) if fast else (None, "fast=False")
-        model_dir = None if isinstance(model, torch.nn.Module) else model
-        self.subset = _vocab_subset(vocab, model_dir, target.vocab_size)
-        self.stop_below = _stop_below(stop_below, model_dir)
+        ranks = _read_ranks(None if isinstance(model, torch.nn.Module) else model)
+        self.subset = _vocab_subset(vocab, ranks, target.vocab_size)
+        self.stop_below = _stop_below(stop_below, ranks[0])
         self.vocab_size = target.vocab_size
         if self.subset is not None:
             self.subset = self.subset.to(device)
@@ -221,12 +221,18 @@ def _default_draft(target: Target):
 FREQUENT_TOKENS = "frequent_tokens.json"
 
 
-def _stop_below(value, model_dir) -> float:
+def _read_ranks(model_dir) -> tuple[dict | None, Path | None]:
+    """The draft directory's ``frequent_tokens.json`` (token ids by frequency, and the recommendations
+    measured when it was written) and its path; (None, path or None) where there is none."""
+    ranks_file = Path(model_dir) / FREQUENT_TOKENS if model_dir is not None else None
+    ranks = json.loads(ranks_file.read_text()) if ranks_file is not None and ranks_file.is_file() else None
+    return ranks, ranks_file
+
+
+def _stop_below(value, ranks: dict | None) -> float:
     """The early-stop threshold: the value given, else the draft directory's recommendation, else off (0)."""
     if value is None:
-        ranks_file = Path(model_dir) / FREQUENT_TOKENS if model_dir is not None else None
-        if ranks_file is not None and ranks_file.is_file():
-            value = json.loads(ranks_file.read_text()).get("stop_below")
+        value = (ranks or {}).get("stop_below")
     if value is None:
         return 0.0
     try:
@@ -238,10 +244,9 @@ def _stop_below(value, model_dir) -> float:
     return value
 
 
-def _vocab_subset(vocab, model_dir, vocab_size: int) -> torch.Tensor | None:
+def _vocab_subset(vocab, read: tuple[dict | None, Path | None], vocab_size: int) -> torch.Tensor | None:
     """The drafting vocabulary as sorted token ids, or None for all of it."""
-    ranks_file = Path(model_dir) / FREQUENT_TOKENS if model_dir is not None else None
-    ranks = json.loads(ranks_file.read_text()) if ranks_file is not None and ranks_file.is_file() else None
+    ranks, ranks_file = read
     if vocab is None:  # what the draft's own ranking recommends (measured when it was written), if anything
         vocab = (ranks or {}).get("default_vocab")
     if vocab is None or vocab == "all":
@@ -251,7 +256,7 @@ def _vocab_subset(vocab, model_dir, vocab_size: int) -> torch.Tensor | None:
     if isinstance(vocab, int):
         if ranks is None:
             raise ValueError(f"draft-model: vocab={vocab} needs {FREQUENT_TOKENS} (token ids by frequency) in "
-                             f"the draft's directory, and {model_dir or 'a module passed as model='} has none; "
+                             f"the draft's directory, and {ranks_file.parent if ranks_file else 'a module passed as model='} has none; "
                              "write one with `specplug train token-ranks` or pass vocab as a list of ids")
         ranked = ranks["tokens"]
         if not 0 < vocab <= len(ranked):

@@ -122,7 +122,7 @@ class MeasuredCosts:
 
     decay: float = 0.8
     draft_pass: dict[int, float] = field(default_factory=dict)  # seconds per pass, by rows
-    draft_fixed: dict[int, float] = field(default_factory=dict)  # seconds per step beyond them, by rows
+    draft_fixed: dict[int, float] = field(default_factory=dict)  # seconds a step takes on top, by rows
     _draft_lines: dict[int, _Line] = field(default_factory=dict)
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     # steps at batch size B since scoring n tokens a row was last measured there, by (n, B)
