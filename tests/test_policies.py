@@ -4,7 +4,7 @@ import torch
 
 import specplug
 from specplug.plugins import UnknownProposerError, get_policy, list_policies
-from specplug.policies import REMEASURE_AFTER, CostModelPolicy, GammaPolicy, HeuristicPolicy, MeasuredCosts
+from specplug.policies import MEASURE_K, REMEASURE_AFTER, CostModelPolicy, GammaPolicy, HeuristicPolicy, MeasuredCosts
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
 from specplug.types import Proposal, Proposer
 
@@ -138,16 +138,16 @@ def test_a_policy_crash_is_a_clear_error_naming_it(tiny_dirs, tiny_target):
     assert info.value.culprit == "crashy" and len(info.value.partial.tokens) >= 3
 
 
-def test_cost_model_measures_a_plain_step_and_one_token_then_revisits_an_extrapolated_choice(tiny_target):
+def test_cost_model_measures_a_plain_step_and_a_short_draft_then_revisits_an_extrapolated_choice(tiny_target):
     policy = CostModelPolicy(max_gamma=6)
     seq = seq_state(tiny_target)
     policy.begin(seq)
     assert policy.choose(seq, 8) == 0  # nothing measured at batch size 1: a plain step first
     policy.update(seq, 0, 0, 0.0, 0.010)
-    assert policy.choose(seq, 8) == 1  # then the cheapest longer scoring pass
-    policy.update(seq, 1, 1, 0.050, 0.0105)  # its drafting also prefilled the prompt: 50 ms
-    assert policy.choose(seq, 8) == 1  # so once more, to measure drafting without the backlog
-    policy.update(seq, 1, 1, 0.0005, 0.0105)
+    assert policy.choose(seq, 8) == MEASURE_K  # then a short draft, measuring a longer scoring pass
+    policy.update(seq, 2, 2, 0.050, 0.011)  # its drafting also prefilled the prompt: 50 ms
+    assert policy.choose(seq, 8) == MEASURE_K  # so once more, to measure drafting without the backlog
+    policy.update(seq, 2, 2, 0.001, 0.011)
     # scoring looks nearly free (0.5 ms a token, extrapolated) and drafts are accepted: the longest draft wins
     assert policy.choose(seq, 8) == 6
     policy.update(seq, 6, 6, 0.003, 0.060)  # measured: scoring 7 tokens costs 6 plain steps, not 1.3
@@ -155,7 +155,7 @@ def test_cost_model_measures_a_plain_step_and_one_token_then_revisits_an_extrapo
     assert 0 < policy.choose(seq, 8) < 6  # decided again on the measured far end of the line
 
 
-def test_cost_model_never_drafts_long_where_one_token_already_shows_scoring_is_dear(tiny_target):
+def test_cost_model_never_drafts_long_where_a_short_draft_already_shows_scoring_is_dear(tiny_target):
     policy = CostModelPolicy(max_gamma=8, probe_every=1000)
     seqs = [seq_state(tiny_target) for _ in range(8)]
     for seq in seqs:
@@ -165,9 +165,10 @@ def test_cost_model_never_drafts_long_where_one_token_already_shows_scoring_is_d
         ks = policy.choose_batch(seqs, [8] * 8)
         choices.append(max(ks))
         k = max(ks)
-        # at batch 8 scoring costs 20 ms a token per row: one drafted token doubles the step
+        # at batch 8 scoring costs 20 ms a token per row: each drafted token adds a plain step
         policy.costs.observe(k, 0.001 * k, 0.020 * (k + 1), 8, scored=k + 1, draft_rows=8)
-    assert choices[:2] == [0, 1] and set(choices[2:]) == {0}  # measured, then off: no full draft
+    # measured, at most one exploratory token (scoring 2 tokens was not measured), then off: no full draft
+    assert choices[:2] == [0, MEASURE_K] and max(choices[2:]) <= 1 and choices[-5:] == [0] * 5
 
 
 def test_cost_model_probes_a_batch_with_one_row_only(tiny_target):
@@ -296,13 +297,14 @@ def run_with_true_costs(policy, seq, truth, accepted_share, steps):
 
 
 def test_cost_model_measures_a_long_draft_when_a_short_pass_only_looks_dear(tiny_target):
-    # scoring 2 tokens hits a slow kernel (20 ms, twice a plain step) while 3-5 tokens cost 21 ms: the line
-    # through 1 and 2 tokens would rule drafting out; one exploratory step at twice the length finds out
-    truth = {1: 0.010, 2: 0.020, 3: 0.0205, 4: 0.021, 5: 0.0215}.get
+    # scoring 2-3 tokens hits a slow kernel (30 ms, three plain steps) while 4-5 tokens cost 21 ms: the line
+    # through 1 and 3 tokens (what the measuring steps score) would rule drafting out; exploring finds the short
+    # pass as dear, then the long one (at most twice a measured length) cheap, and keeps it
+    truth = {1: 0.010, 2: 0.030, 3: 0.030, 4: 0.0205, 5: 0.021}.get
     policy = CostModelPolicy(max_gamma=4, probe_every=1000)
     seq = seq_state(tiny_target)
     policy.begin(seq)
-    assert run_with_true_costs(policy, seq, truth, 1.0, 8) == [0, 1, 1, 3, 4, 4, 4, 4]
+    assert run_with_true_costs(policy, seq, truth, 1.0, 8) == [0, MEASURE_K, MEASURE_K, 1, 4, 4, 4, 4]
 
 
 def test_cost_model_explores_a_dear_long_pass_once_and_then_stays_off(tiny_target):
@@ -310,12 +312,12 @@ def test_cost_model_explores_a_dear_long_pass_once_and_then_stays_off(tiny_targe
     policy = CostModelPolicy(max_gamma=4, probe_every=1000)
     seq = seq_state(tiny_target)
     policy.begin(seq)
-    assert run_with_true_costs(policy, seq, truth, 1.0, 2) == [0, 1]  # a plain step, then one token
+    assert run_with_true_costs(policy, seq, truth, 1.0, 2) == [0, MEASURE_K]  # a plain step, then a short draft
     seq.scratch["policy:cost-model"].update(successes=0.9, trials=1.0)  # α = 0.9
     chosen = run_with_true_costs(policy, seq, truth, 0.75, 2 * REMEASURE_AFTER)
-    # it measures drafting once more, tries 3 and then 2 tokens (each could have paid had it cost no more than
-    # 2 tokens), finds both dear and stays off: a bounded price for not trusting the line
-    assert chosen[:4] == [1, 3, 2, 0] and set(chosen[4:]) == {0}
+    # it measures drafting once more, tries 1 and then 4 tokens (each could have paid had its pass cost no
+    # more than a shorter measured one), finds both dear and stays off: a bounded price for not trusting the line
+    assert chosen[:4] == [MEASURE_K, 1, 4, 0] and set(chosen[4:]) == {0}
 
 
 def test_drafting_more_rows_is_never_estimated_cheaper_nor_fewer_rows_dearer():
@@ -347,7 +349,7 @@ def test_cost_model_measures_a_stale_dear_choice_again_so_one_unlucky_measuremen
     policy = CostModelPolicy(max_gamma=4, probe_every=1000)
     seq = seq_state(tiny_target)
     policy.begin(seq)
-    assert run_with_true_costs(policy, seq, truth, 1.0, 3) == [0, 1, 1]
+    assert run_with_true_costs(policy, seq, truth, 1.0, 3) == [0, MEASURE_K, MEASURE_K]
     paused = lambda n: 0.040 if n == 5 else truth(n)  # the first 4-token draft's pass caught a 28 ms pause
     assert run_with_true_costs(policy, seq, paused, 1.0, 1) == [4]
     chosen = run_with_true_costs(policy, seq, truth, 1.0, 8 * REMEASURE_AFTER)
