@@ -17,7 +17,7 @@ PROMPT = [1, 2, 3, 4, 5, 0, 1, 2]
 class CountingLengths(DraftModelProposer):
     """Records how many tokens each proposal holds."""
 
-    lengths: list[int]
+    lengths: list[tuple[int, int]]  # (asked, proposed) per proposal
 
     def propose(self, seq, k):
         proposal = super().propose(seq, k)

@@ -8,7 +8,6 @@ import specplug.lean_llama as lean_llama
 from specplug.lean_llama import lean_or_reason
 from specplug.proposers.draft_model import DraftModelProposer
 from specplug.target import KVState
-from specplug.testing import tiny_llama
 
 
 def test_lean_forward_matches_hf_through_steps_and_rollbacks(tiny_dirs):
