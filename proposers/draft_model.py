@@ -7,21 +7,18 @@ point mass at the argmax, so the proposal carries no dense q at all.
 A Llama-architecture draft runs through :mod:`specplug.lean_llama` (same weights, a fraction of HF's per-call
 cost) when the lean path reproduces HF's logits; ``fast=False`` or any other architecture uses HF's forward.
 
-``vocab`` restricts drafting to a subset of the vocabulary (the idea of FR-Spec, Zhao et al. 2025): for a small
-draft the LM head over all V tokens is most of a step, and rare tokens are rarely accepted anyway. q is then the
-processed softmax over the subset's logits and zero elsewhere, which is exactly what the token is drawn from,
-so the verifier stays exact; only acceptance can change (a token outside the subset is never drafted).
+``vocab`` restricts drafting to a subset of the vocabulary (see :mod:`specplug.drafting_vocab`): for a small
+draft the LM head over all V tokens is most of a step, and rare tokens are rarely accepted anyway.
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from specplug import zoo
+from specplug.drafting_vocab import full_q, read_ranks, vocab_subset
 from specplug.plugins.hookspecs import hookimpl
 from specplug.lean_llama import LeanCache, lean_or_reason
 from specplug.sampling import draw, multinomial
@@ -38,14 +35,14 @@ class DraftModelProposer(Proposer):
                  trust_remote_code: bool = False, fast: bool = True,
                  vocab: int | Sequence[int] | str | None = None, stop_below: float | str | None = None):
         """``vocab``: draft only among these token ids (a list), or among the ``vocab`` most frequent ones (an
-        int: the draft's directory must hold ``frequent_tokens.json``, as the bundled draft's does; ``specplug
-        train token-ranks`` writes one), or over the whole vocabulary (``"all"``). None (the default) takes the
+        int: the draft's directory or else the target's must hold ``frequent_tokens.json``, as the bundled
+        target's does; ``specplug train token-ranks`` writes one), or over the whole vocabulary (``"all"``). None (the default) takes the
         ``default_vocab`` that file recommends, if it has one, else the whole vocabulary.
 
         ``stop_below``: end a draft early once the draft's own probability of the token it just drafted falls
         below this (the token is still proposed; drafting beyond it would mostly be rejected). The draft's
         length then depends only on the draft's own draws, so the verifier stays exact. None (the default)
-        takes the draft directory's recommendation (``frequent_tokens.json``'s ``stop_below``), if any; 0
+        takes that file's recommendation (``frequent_tokens.json``'s ``stop_below``), if any; 0
         turns it off."""
         if target is None:
             raise TypeError("draft-model needs target= (the Target it drafts for)")
@@ -69,9 +66,9 @@ class DraftModelProposer(Proposer):
         # one-row copies: drafting is one row a step, and the draft's small matrices multiply one row fastest
         # column-major (see lean_llama.Product)
         self.lean, self.lean_note = lean_or_reason(lm, one_row_copies=True) if fast else (None, "fast=False")
-        ranks = _read_ranks(None if isinstance(model, torch.nn.Module) else model)
-        self.subset = _vocab_subset(vocab, ranks, target.vocab_size)
-        self.stop_below = _stop_below(stop_below, ranks[0])
+        ranks, ranks_file = read_ranks(None if isinstance(model, torch.nn.Module) else model, target.path)
+        self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, "draft-model")
+        self.stop_below = _stop_below(stop_below, ranks)
         self.vocab_size = target.vocab_size
         if self.subset is not None:
             self.subset = self.subset.to(device)
@@ -103,9 +100,8 @@ class DraftModelProposer(Proposer):
         go_on = not self.stop_below or self._confidence(logits, token, q) >= self.stop_below
         if self.subset is None:
             return token, q, go_on
-        if q is not None:  # zero outside the subset: the token was drawn from exactly this
-            q = q.new_zeros(self.vocab_size).index_copy_(0, self.subset, q)
-        return int(self.subset[token]), q, go_on
+        # q zero outside the subset: the token was drawn from exactly this
+        return int(self.subset[token]), full_q(q, self.subset, self.vocab_size), go_on
 
     @staticmethod
     def _confidence(logits: torch.Tensor, token: int, q: torch.Tensor | None) -> float:
@@ -218,17 +214,6 @@ def _default_draft(target: Target):
                     "only bundled zoo targets have a default draft")
 
 
-FREQUENT_TOKENS = "frequent_tokens.json"
-
-
-def _read_ranks(model_dir) -> tuple[dict | None, Path | None]:
-    """The draft directory's ``frequent_tokens.json`` (token ids by frequency, and the recommendations
-    measured when it was written) and its path; (None, path or None) where there is none."""
-    ranks_file = Path(model_dir) / FREQUENT_TOKENS if model_dir is not None else None
-    ranks = json.loads(ranks_file.read_text()) if ranks_file is not None and ranks_file.is_file() else None
-    return ranks, ranks_file
-
-
 def _stop_below(value, ranks: dict | None) -> float:
     """The early-stop threshold: the value given, else the draft directory's recommendation, else off (0)."""
     if value is None:
@@ -242,30 +227,6 @@ def _stop_below(value, ranks: dict | None) -> float:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"draft-model: stop_below must be a probability in [0, 1), got {value}")
     return value
-
-
-def _vocab_subset(vocab, read: tuple[dict | None, Path | None], vocab_size: int) -> torch.Tensor | None:
-    """The drafting vocabulary as sorted token ids, or None for all of it."""
-    ranks, ranks_file = read
-    if vocab is None:  # what the draft's own ranking recommends (measured when it was written), if anything
-        vocab = (ranks or {}).get("default_vocab")
-    if vocab is None or vocab == "all":
-        return None
-    if isinstance(vocab, bool) or not isinstance(vocab, (int, list, tuple)):
-        raise TypeError(f"draft-model: vocab must be a token count, a list of token ids or 'all', got {vocab!r}")
-    if isinstance(vocab, int):
-        if ranks is None:
-            raise ValueError(f"draft-model: vocab={vocab} needs {FREQUENT_TOKENS} (token ids by frequency) in "
-                             f"the draft's directory, and {ranks_file.parent if ranks_file else 'a module passed as model='} has none; "
-                             "write one with `specplug train token-ranks` or pass vocab as a list of ids")
-        ranked = ranks["tokens"]
-        if not 0 < vocab <= len(ranked):
-            raise ValueError(f"draft-model: vocab={vocab} is outside 1..{len(ranked)} (the tokens {ranks_file} ranks)")
-        vocab = ranked[:vocab]
-    ids = sorted({int(i) for i in vocab})
-    if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
-        raise ValueError(f"draft-model: vocab ids must be a non-empty set within [0, {vocab_size})")
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def _check_vocabulary(target: Target, draft: Target) -> None:

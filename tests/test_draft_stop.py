@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import specplug
-from specplug.proposers.draft_model import FREQUENT_TOKENS, DraftModelProposer
+from specplug.drafting_vocab import FREQUENT_TOKENS
+from specplug.proposers.draft_model import DraftModelProposer
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
 from specplug.types import SequenceState
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import specplug
-from specplug.proposers.draft_model import FREQUENT_TOKENS, DraftModelProposer
+from specplug.drafting_vocab import FREQUENT_TOKENS
+from specplug.proposers.draft_model import DraftModelProposer
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
 from specplug.types import SequenceState
 
@@ -75,7 +76,7 @@ def test_vocab_count_reads_the_ranks_file_in_the_draft_directory(tiny_dirs, tiny
 def test_bundled_draft_ships_a_ranking_of_the_whole_vocabulary():
     from specplug import zoo
 
-    ranks = json.loads((zoo.resolve("zoo:pycode-draft") / FREQUENT_TOKENS).read_text())
+    ranks = json.loads((zoo.resolve("zoo:pycode") / FREQUENT_TOKENS).read_text())
     target = specplug.Target.from_pretrained("zoo:pycode")
     assert sorted(ranks["tokens"]) == list(range(target.vocab_size))
     assert specplug.get_proposer("draft-model", target=target).subset.numel() == ranks["default_vocab"]

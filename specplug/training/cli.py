@@ -19,7 +19,7 @@ The bundled weights were made with (W = a work dir outside the repo):
     specplug train report --target specplug/models/pycode --draft specplug/models/pycode-draft \
         --tokenizer W/tokenizer
     specplug train token-ranks --tokenizer specplug/models/pycode --default-vocab 2048 \
-        --out specplug/models/pycode-draft/frequent_tokens.json
+        --out specplug/models/pycode/frequent_tokens.json
 
 (`python -m specplug.training.cli ...` is the same group.)  The bundled target's run had
 its --steps lowered mid-run (2000 -> 1500 -> 1400 -> 1050 -> 900, at steps 20/89/734/751/763,
@@ -147,7 +147,7 @@ def export_cmd(work_dir, tokenizer_dir, out, dtype):
 @click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False),
               default=str(DEFAULT_WORK / "tokenizer"), show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), required=True,
-              help="e.g. specplug/models/pycode-draft/frequent_tokens.json")
+              help="e.g. specplug/models/pycode/frequent_tokens.json")
 @click.option("--default-vocab", type=int, default=None,
               help="the subset draft-model uses when vocab= is not given (pick it with specplug compare)")
 def token_ranks_cmd(tokenizer_dir, out, default_vocab):

@@ -1,0 +1,67 @@
+"""Drafting over part of the vocabulary (the idea of FR-Spec, Zhao et al. 2025), shared by the proposers that
+project onto the target's vocabulary.
+
+For a small drafter the projection onto all V tokens is much of a step, and rare tokens are rarely accepted
+anyway. A proposer that drafts over a subset computes logits for the subset's rows only; q is the processed
+softmax over those logits and zero elsewhere — exactly what the token is drawn from — so the verifier stays
+exact, and only acceptance can change (a token outside the subset is never drafted).
+
+The subset is a list of token ids, or the N most frequent tokens of a ranking file, ``frequent_tokens.json``
+(``specplug train token-ranks`` writes one: ``{"tokens": [ids by frequency], "default_vocab": N, ...}``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+FREQUENT_TOKENS = "frequent_tokens.json"
+
+
+def read_ranks(*dirs) -> tuple[dict | None, Path | None]:
+    """The first ``frequent_tokens.json`` among ``dirs`` (None entries skipped) and its path; (None, the first
+    place looked or None) where there is none."""
+    first = None
+    for d in dirs:
+        if d is None:
+            continue
+        path = Path(d) / FREQUENT_TOKENS
+        first = first or path
+        if path.is_file():
+            return json.loads(path.read_text()), path
+    return None, first
+
+
+def vocab_subset(vocab: int | Sequence[int] | str | None, ranks: dict | None, ranks_file: Path | None,
+                 vocab_size: int, who: str) -> torch.Tensor | None:
+    """The drafting vocabulary as sorted token ids, or None for all of it. ``vocab``: a list of ids, the
+    ``vocab`` most frequent tokens (needs ``ranks``), ``"all"``, or None for the ranking's ``default_vocab``
+    (all where there is none). ``who`` names the proposer in errors."""
+    if vocab is None:  # what the ranking recommends (measured when it was written), if anything
+        vocab = (ranks or {}).get("default_vocab")
+    if vocab is None or vocab == "all":
+        return None
+    if isinstance(vocab, bool) or not isinstance(vocab, (int, list, tuple)):
+        raise TypeError(f"{who}: vocab must be a token count, a list of token ids or 'all', got {vocab!r}")
+    if isinstance(vocab, int):
+        if ranks is None:
+            where = ranks_file.parent if ranks_file else "a module passed in"
+            raise ValueError(f"{who}: vocab={vocab} needs {FREQUENT_TOKENS} (token ids by frequency), and {where} "
+                             "has none; write one with `specplug train token-ranks` or pass vocab as a list of ids")
+        ranked = ranks["tokens"]
+        if not 0 < vocab <= len(ranked):
+            raise ValueError(f"{who}: vocab={vocab} is outside 1..{len(ranked)} (the tokens {ranks_file} ranks)")
+        vocab = ranked[:vocab]
+    ids = sorted({int(i) for i in vocab})
+    if not ids or ids[0] < 0 or ids[-1] >= vocab_size:
+        raise ValueError(f"{who}: vocab ids must be a non-empty set within [0, {vocab_size})")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def full_q(q: torch.Tensor | None, subset: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """q over the subset's positions -> q over the whole vocabulary (zero outside the subset)."""
+    if q is None or subset is None:
+        return q
+    return q.new_zeros(vocab_size).index_copy_(0, subset, q)
