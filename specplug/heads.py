@@ -14,7 +14,8 @@ head is accepted when the fingerprints agree, or the architectures agree and the
 
 Layout of a head directory::
 
-    config.json         {"specplug_head": "eagle"|"mtp", "format": 1, "target": {...}, "head": {...}, "training": {...}}
+    config.json         {"specplug_head": "eagle"|"mtp", "format": 1, "target": {...}, "head": {...}, "training": {...},
+                         "drafting": {...} (optional: the proposer's measured defaults, e.g. "vocab")}
     model.safetensors   the head's own weights (float16 by default); never a copy of the target's LM head
 """
 from __future__ import annotations
@@ -99,8 +100,10 @@ def _same_target(record: dict, target) -> bool:
 
 
 def save_head(out_dir: str | os.PathLike, kind: str, state_dict: Mapping[str, torch.Tensor], head_config: dict,
-              target, *, dtype: torch.dtype = torch.float16, training: dict | None = None) -> Path:
-    """Write ``model.safetensors`` (``dtype``) and ``config.json`` recording ``target``."""
+              target, *, dtype: torch.dtype = torch.float16, training: dict | None = None,
+              drafting: dict | None = None) -> Path:
+    """Write ``model.safetensors`` (``dtype``) and ``config.json`` recording ``target`` (and, if given, how
+    the head drafts best, e.g. ``{"vocab": 2048}``: the proposer's defaults)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -110,6 +113,8 @@ def save_head(out_dir: str | os.PathLike, kind: str, state_dict: Mapping[str, to
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"specplug_head": kind, "format": str(FORMAT)})
     config = {"specplug_head": kind, "format": FORMAT, "dtype": str(dtype).replace("torch.", ""),
               "target": target_record(target), "head": head_config, "training": training or {}}
+    if drafting:
+        config["drafting"] = drafting
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
     return out
 

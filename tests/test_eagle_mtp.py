@@ -49,6 +49,34 @@ def test_random_heads_are_exact(name, setting, small_target):
     assert pvalue(small_target, proposer, SETTINGS[setting]) > EXACTNESS_ALPHA
 
 
+SUBSET = [0, 2, 3, 5]  # of the small target's 6 tokens
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_eagle_over_a_vocabulary_subset_is_exact(setting, small_target):
+    proposer = random_proposer("eagle", small_target, vocab=SUBSET)
+    assert pvalue(small_target, proposer, SETTINGS[setting]) > EXACTNESS_ALPHA
+
+
+def test_eagle_drafts_only_subset_tokens_and_its_q_is_zero_elsewhere(small_target):
+    proposer = random_proposer("eagle", small_target, vocab=SUBSET)
+    seq = specplug.SequenceState(ids=list(PROMPT), num_prompt=len(PROMPT), sampling=SETTINGS["temperature-1"],
+                                 rng=torch.Generator().manual_seed(0), target=small_target)
+    proposer.begin(seq)
+    proposal = proposer.propose(seq, 4)
+    outside = [i for i in range(small_target.vocab_size) if i not in SUBSET]
+    assert set(proposal.tokens.tolist()) <= set(SUBSET)
+    assert proposal.q.shape == (4, small_target.vocab_size) and float(proposal.q[:, outside].abs().max()) == 0.0
+    assert torch.allclose(proposal.q.sum(-1), torch.ones(4))
+
+
+def test_eagle_vocab_errors_name_the_proposer(small_target):
+    with pytest.raises(ValueError, match="eagle: vocab ids must be"):
+        random_proposer("eagle", small_target, vocab=[small_target.vocab_size])
+    with pytest.raises(ValueError, match=r"eagle: vocab=3 needs frequent_tokens.json"):
+        random_proposer("eagle", small_target, vocab=3)
+
+
 class GreedyEagleSoftQ(EagleProposer):
     """A dishonest EAGLE: drafts the argmax of q but reports the soft q (the harness must catch it)."""
 

@@ -222,11 +222,12 @@ def _finish(args: HeadTrainArgs, kind: str, module, target, res: dict, figures: 
     work = Path(args.work_dir)
     (work / "eval.json").write_text(json.dumps(res, indent=1, default=str))
     if args.out:
+        drafting = args.extra.pop("drafting", None)
         training = {"steps": res.get("step"), "feature_tokens": args.tokens, "tokens_seen": res.get("tokens"),
                     "train_time_s": round(res.get("elapsed_s", 0.0), 1), "seq_len": args.seq_len,
                     "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, **args.extra,
                     **{k: v for k, v in figures.items() if isinstance(v, (int, float))}}
-        save_head(args.out, kind, module.state_dict(), module.config, target, training=training)
+        save_head(args.out, kind, module.state_dict(), module.config, target, training=training, drafting=drafting)
         log(f"{kind}: exported -> {args.out}")
     log(json.dumps(res, default=str))
     return res
@@ -315,6 +316,21 @@ def train_eagle(args: HeadTrainArgs, log=print) -> dict:
     args.extra = extra
     target, data, cache, feature_dir = _prepare(args, log)
     head = EagleHead.for_target(target.model.config, seed=args.seed)
+    if extra.get("init"):
+        # continue from a trained head (checked against this target); its training is recorded beside ours
+        from specplug.heads import load_head
+
+        config, state = load_head(extra["init"], KIND, target)
+        if config["head"] != head.config:
+            raise ValueError(f"eagle: --init {extra['init']}: head config {config['head']} differs from the one "
+                             f"this target gets ({head.config})")
+        head.load_state_dict(state)
+        if config.get("drafting"):  # how the head drafts best (measured): kept unless measured again
+            extra["drafting"] = config["drafting"]
+        earlier = config.get("training", {})
+        extra["init"] = {"from": str(extra["init"]), "steps": earlier.get("steps"),
+                         "tokens_seen": earlier.get("tokens_seen"), "train_time_s": earlier.get("train_time_s"),
+                         "feature_tokens": earlier.get("feature_tokens"), "init": earlier.get("init")}
     n_params = sum(p.numel() for p in head.parameters())
     log(f"eagle: head {n_params:,} params ({n_params * 2 / 1e6:.1f} MB fp16); "
         f"{data['tokens'].shape[0]} x {args.seq_len} feature windows")

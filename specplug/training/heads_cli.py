@@ -52,12 +52,16 @@ def _args(extra: dict, **kw):
 @click.option("--noise", default=0.1, show_default=True, help="uniform noise U(-x, x) on the input features")
 @click.option("--feature-weight", default=1.0, show_default=True, help="weight of the smooth-L1 feature loss")
 @click.option("--prob-weight", default=0.1, show_default=True, help="weight of the soft cross-entropy")
-def eagle_cmd(noise, feature_weight, prob_weight, **kw):
+@click.option("--init", "init", type=click.Path(exists=True, file_okay=False), default=None,
+              help="start from this trained eagle head (for the same target) instead of random weights")
+def eagle_cmd(noise, feature_weight, prob_weight, init, **kw):
     """Train an EAGLE head (fc + one decoder layer) for a frozen target."""
     from .eagle import train_eagle
 
-    train_eagle(_args({"noise": noise, "feature_weight": feature_weight, "prob_weight": prob_weight}, **kw),
-                log=click.echo)
+    extra = {"noise": noise, "feature_weight": feature_weight, "prob_weight": prob_weight}
+    if init:
+        extra["init"] = init
+    train_eagle(_args(extra, **kw), log=click.echo)
 
 
 @click.command("mtp")
