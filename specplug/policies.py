@@ -88,9 +88,9 @@ class _Line:
         self.w, self.n, self.nn = decay * self.w + 1, decay * self.n + passes, decay * self.nn + passes * passes
         self.t, self.nt = decay * self.t + seconds, decay * self.nt + passes * seconds
 
-    def fit(self) -> tuple[float, float]:
-        """(fixed, per_pass); proportional (fixed 0) until the passes drafted vary enough to tell them apart,
-        and wherever the fit is not a plausible cost (a negative part)."""
+    def solve(self) -> tuple[float, float] | None:
+        """(fixed, per_pass) by least squares, or None until the passes drafted vary enough to tell the parts
+        apart, and wherever the fit is not a plausible cost (a negative part)."""
         mean_n, mean_t = self.n / self.w, self.t / self.w
         spread = self.nn / self.w - mean_n * mean_n
         if spread >= 0.25:
@@ -98,6 +98,18 @@ class _Line:
             fixed = mean_t - per * mean_n
             if per > 0 and fixed >= 0:
                 return fixed, per
+        return None
+
+    def fit(self, shape: tuple[float, float] | None = None) -> tuple[float, float]:
+        """(fixed, per_pass): solved where it can be; else the fixed share ``shape`` (another line's
+        (fixed, per_pass)) has at this line's mean passes, at this line's level; else proportional."""
+        solved = self.solve()
+        if solved is not None:
+            return solved
+        mean_n, mean_t = self.n / self.w, self.t / self.w
+        if shape is not None:
+            share = shape[0] / (shape[0] + shape[1] * mean_n)
+            return share * mean_t, (1 - share) * mean_t / mean_n
         return 0.0, mean_t / mean_n
 
 
@@ -121,7 +133,7 @@ class MeasuredCosts:
       shorter ones. Unseen row counts are interpolated (see :meth:`draft_time`).
     - scoring: seconds of the target's pass over n tokens per row at batch size B: a decayed mean per
       measured (n, B), made non-decreasing in n; between measured n interpolated, beyond them a line through
-      the two nearest, at an unmeasured B a bilinear fit a + b·n + c·B + d·n·B.
+      the two nearest, at another B from the batch sizes around it, above them all a bilinear fit.
     """
 
     decay: float = 0.8
@@ -143,10 +155,10 @@ class MeasuredCosts:
             passes = scored - 1
             line = self._draft_lines.setdefault(draft_rows, _Line())
             if line.w:  # clip outliers (a pause, a backlog the bookkeeping missed) at twice the estimate
-                fixed, per = line.fit()
+                fixed, per = self.draft_fixed[draft_rows], self.draft_pass[draft_rows]
                 draft_time = min(draft_time, 2 * (fixed + per * passes))
             line.add(passes, draft_time)
-            self.draft_fixed[draft_rows], self.draft_pass[draft_rows] = line.fit()
+            self._fit_drafting()
         key = (scored, batch_size)
         expected = self.verify_time(scored, batch_size) if self._measured_at(batch_size) else None
         if expected is not None:
@@ -159,6 +171,16 @@ class MeasuredCosts:
         for other in self.verify:
             if other[1] == batch_size:
                 self.age[other] = 0 if other == key else self.age.get(other, 0) + 1
+
+    def _fit_drafting(self) -> None:
+        """Each row count's line; one whose passes have not varied enough to solve takes its fixed share from
+        the nearest row count's solved line. (Proportional from one k, a new row count's line priced k = 4 at
+        about twice its cost after k = 2, kept k at 2 and so never varied it.)"""
+        solved = {r: fit for r, line in self._draft_lines.items() if (fit := line.solve()) is not None}
+        for rows, line in self._draft_lines.items():
+            nearest = min(solved, key=lambda r: (abs(r - rows), r), default=None)
+            fixed, per = line.fit(solved[nearest] if nearest is not None else None)
+            self.draft_fixed[rows], self.draft_pass[rows] = fixed, per
 
     def draft_time(self, k: int, rows: int = 1) -> float | None:
         """Seconds for ``rows`` rows to draft k tokens each; None before a clean measurement supports it.
@@ -185,10 +207,8 @@ class MeasuredCosts:
         cost less, so a pass measured dearer than a longer one is estimated at the longer one's cost."""
         return _non_decreasing([(m, t) for (m, b), t in self.verify.items() if b == batch_size])
 
-    def verify_time(self, n: int, batch_size: int) -> float | None:
-        """Seconds to score n tokens per row at this batch size: measured; between measured lengths
-        interpolated; beyond them on the line through the two nearest; at an unmeasured batch size from the
-        bilinear fit. None where nothing supports an estimate."""
+    def _along_n(self, n: int, batch_size: int) -> float | None:
+        """Scoring n tokens a row at this batch size from what was measured there alone (None if too little)."""
         here = self._measured_at(batch_size)
         if len(here) >= 2 or (here and here[0][0] == n):
             inside = _between(here, n)
@@ -198,6 +218,44 @@ class MeasuredCosts:
                 return here[0][1]
             (m0, t0), (m1, t1) = here[-2:] if n > here[-1][0] else here[:2]
             return max(t0 + (t1 - t0) * (n - m0) / (m1 - m0), 1e-9)
+        return None
+
+    def _across(self, n: int, batch_size: int) -> float | None:
+        """Scoring n tokens a row at this batch size from the nearest batch sizes measured: between two
+        interpolated, below the smallest bounded by it (fewer rows never cost more); None above them all."""
+        sizes = {b for _, b in self.verify}
+        above = [(b, t) for b in sorted(b for b in sizes if b > batch_size)
+                 if (t := self._along_n(n, b)) is not None][:1]
+        if not above:
+            return None
+        below = [(b, t) for b in sorted((b for b in sizes if b < batch_size), reverse=True)
+                 if (t := self._along_n(n, b)) is not None][:1]
+        if not below:
+            return above[0][1]
+        (b0, t0), (b1, t1) = below[0], above[0]
+        return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
+
+    def verify_time(self, n: int, batch_size: int) -> float | None:
+        """Seconds to score n tokens per row at this batch size: measured; between measured lengths
+        interpolated; beyond them on the line through the two nearest. Where too little was measured at this
+        batch size: from the batch sizes around it (:meth:`_across`), scaled to the one length measured here if
+        any; above every measured batch size from a bilinear fit a + b·n + c·B + d·n·B. None where nothing
+        supports an estimate."""
+        here = self._along_n(n, batch_size)
+        if here is not None:
+            return here
+        # Rows finished (the tail of a wave) or joined: a plain step and two measuring steps at each batch size
+        # a wave shrinks through once cost a 16-request wave a fifth of its steps, so estimate from the
+        # measured batch sizes around it; where one length was measured here, their shape at its level.
+        around = self._across(n, batch_size)
+        if around is not None:
+            mine = self._measured_at(batch_size)
+            if mine:
+                m, t = mine[0]
+                ref = self._across(m, batch_size)
+                if ref:
+                    return around * t / ref
+            return around
         points = [(m, b, t) for (m, b), t in self.verify.items()]
         if len(points) >= 4 and len({m for m, _, _ in points}) >= 2 and len({b for _, b, _ in points}) >= 2:
             design = np.array([[1.0, m, b, m * b] for m, b, _ in points])
@@ -249,8 +307,10 @@ class CostModelPolicy(GammaPolicy):
     """Choose k in 0..max_gamma maximising expected_tokens(α, k) / (draft_time(k) + verify_time(k + 1)).
 
     α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
-    Costs are measured, never assumed: at a batch size with no estimate it first runs a plain step (k = 0),
-    then MEASURE_K drafted tokens in every row, twice (the first pays the drafter's backlog), then decides; a k
+    Costs are measured, never assumed: at a batch size with no estimate (nothing measured there or at a
+    larger batch size, which bounds it: see :meth:`MeasuredCosts.verify_time`) it first runs a plain step
+    (k = 0), then MEASURE_K drafted tokens in every row, twice (the first pays the drafter's backlog), then
+    decides; a k
     chosen on an extrapolated scoring cost is measured by that step and the choice revisited. Scoring cost
     is not linear in the tokens scored (bf16 products are nearly flat in the rows, some shapes hit slower
     kernels than longer ones), so where a draft would clearly win if its scoring pass, unmeasured or not

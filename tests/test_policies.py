@@ -355,3 +355,57 @@ def test_cost_model_measures_a_stale_dear_choice_again_so_one_unlucky_measuremen
     chosen = run_with_true_costs(policy, seq, truth, 1.0, 8 * REMEASURE_AFTER)
     assert 4 not in chosen[:REMEASURE_AFTER // 2]  # the pause makes k = 4 look dear for a while
     assert chosen[-REMEASURE_AFTER:] == [4] * REMEASURE_AFTER  # measured again when stale: back to the best k
+
+
+def test_scoring_cost_at_an_unmeasured_batch_size_comes_from_the_batch_sizes_around_it():
+    costs = MeasuredCosts()
+    truth = lambda n, b: 0.003 + 0.0004 * n + 0.0006 * b + 0.0001 * n * b
+    for n, b in [(1, 4), (5, 4), (1, 16), (5, 16)]:
+        costs.observe(n - 1, 0.0, truth(n, b), b)
+    assert costs.verify_time(3, 8) == pytest.approx(truth(3, 8))  # between 4 and 16: linear in B here
+    assert costs.verify_time(3, 2) == pytest.approx(truth(3, 4))  # below 4: bounded by it
+    costs.observe(4, 0.0, 2 * truth(5, 13), 13)  # one length measured at 13 rows, twice the interpolation
+    assert costs.verify_time(5, 13) == pytest.approx(2 * truth(5, 13))
+    assert costs.verify_time(1, 13) == pytest.approx(2 * truth(1, 13))  # the neighbours' shape at its level
+
+
+def drive_batch(policy, seqs, steps, verify, accepted_share=0.75):
+    """Run ``steps`` batch steps of ``seqs`` at scoring cost verify(n, B) and 0.5 ms + 0.2 ms a token of
+    drafting; the chosen k of each step."""
+    chosen = []
+    for _ in range(steps):
+        ks = policy.choose_batch(seqs, [4] * len(seqs))
+        k, rows = max(ks), sum(1 for x in ks if x)
+        step = {"drafted": sum(ks), "draft_time": 0.0005 + 0.0002 * k if k else 0.0,
+                "verify_time": verify(k + 1, len(seqs)), "batch_size": len(seqs), "scored": k + 1, "draft_rows": rows}
+        for seq, kr in zip(seqs, ks):
+            seq.scratch["batch_step"] = step
+            policy.update(seq, kr, round(kr * accepted_share), step["draft_time"], step["verify_time"], len(seqs))
+        chosen.append(k)
+    return chosen
+
+
+def test_a_batch_that_shrinks_keeps_drafting_without_measuring_again(tiny_target):
+    # rows finishing at the end of a wave: 16 -> 13 -> 7 rows; each new batch size used to cost a plain step
+    # and two measuring steps, a fifth of a 16-request wave
+    verify = lambda n, b: 0.004 + 0.0004 * b + 0.0002 * n * b
+    policy = CostModelPolicy(max_gamma=4, probe_every=1000)
+    seqs = [seq_state(tiny_target) for _ in range(16)]
+    for seq in seqs:
+        policy.begin(seq)
+    assert drive_batch(policy, seqs, 6, verify)[:3] == [0, MEASURE_K, MEASURE_K]
+    assert 0 not in drive_batch(policy, seqs[:13], 3, verify) + drive_batch(policy, seqs[:7], 3, verify)
+
+
+def test_a_new_row_count_takes_the_fixed_share_of_drafting_from_a_solved_one():
+    """One k seen at a row count: proportional pricing from it would overprice longer drafts by the fixed
+    part and keep k where it was (so its passes never vary); the fixed share measured at another row count
+    is the better guess."""
+    costs = MeasuredCosts()
+    one_row = lambda k: 0.0006 + 0.0002 * k
+    for k in (2, 4, 6, 3, 5):
+        costs.observe(k, one_row(k), 0.004, 1)
+    costs.observe(2 * 8, 0.0030, 0.010, 8, scored=3, draft_rows=8)  # 8 rows, k = 2 only: 3 ms
+    share = one_row(0) / one_row(2)  # the fixed part's share of a 2-pass step at one row
+    assert costs.draft_time(4, 8) == pytest.approx(0.0030 * (share + (1 - share) * 2))
+    assert costs.draft_time(4, 8) < 0.0030 * 2  # below proportional
