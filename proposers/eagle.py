@@ -107,14 +107,16 @@ class EagleHead(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
-        """features, embeds [B, T, h]; position_ids [B, T] -> predicted next features [B, T, h]."""
+                cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """features, embeds [B, T, h]; position_ids [B, T] -> predicted next features [B, T, h]. ``mask``
+        (bool, [T, cached + T], True = attend): which keys each entry sees; default causal."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos_sin = self.rotary(x, position_ids)
         q_len = x.shape[1]
         past = cache.length if cache is not None else 0
-        mask = None
-        if q_len > 1 and past > 0:  # bottom-right-aligned causal mask over [cache ; new]
+        if mask is not None:
+            mask = mask[None, None]
+        elif q_len > 1 and past > 0:  # bottom-right-aligned causal mask over [cache ; new]
             rows = torch.arange(q_len, device=x.device)[:, None] + past
             mask = (torch.arange(past + q_len, device=x.device)[None, :] <= rows)[None, None]
         return self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,

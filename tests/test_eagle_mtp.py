@@ -222,7 +222,8 @@ def test_head_training_is_resumable_and_exact(small_target, tmp_path):
         args = HeadTrainArgs(target="", work_dir=str(tmp_path / work), steps=4, batch_size=2, seq_len=16,
                              warmup=1, ckpt_every=3, threads=1)
         if kind == "eagle":
-            module, loss = EagleHead.for_target(small_target.model.config), eagle_loss(small_target, 0.1, 1.0, 0.1, 0)
+            module = EagleHead.for_target(small_target.model.config)
+            loss = eagle_loss(small_target, 0.1, 1.0, 0.1, 0, depth=2)  # unrolled: the backward goes through it too
         else:
             module, loss = MTPHeads.for_target(small_target.model, num_heads=2, share_lm_head=True), mtp_loss(small_target, 0.8)
 
@@ -241,3 +242,24 @@ def test_head_training_is_resumable_and_exact(small_target, tmp_path):
         assert res["finished"] and res["step"] == 4
         for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
             torch.testing.assert_close(a, b, msg=name)
+
+
+def test_unrolled_training_pass_predicts_what_drafting_computes(small_target):
+    """Training-time test: the depth-d prediction at entry p is the head's d-th draft from verified position
+    p-d+1, fed its own features (the drafted tokens being the window's)."""
+    from specplug.training.eagle import unroll
+
+    head = EagleHead.for_target(small_target.model.config, seed=5, std=0.2).eval()
+    g = torch.Generator().manual_seed(0)
+    length, h = 9, small_target.hidden_size
+    feats, embeds = torch.randn(2, length, h, generator=g), torch.randn(2, length, h, generator=g)
+    with torch.no_grad():
+        preds = unroll(head, feats, embeds, 3)
+        for s in range(0, length - 2):
+            cache = KVCache()
+            out = head(feats[:, :s + 1], embeds[:, :s + 1], torch.arange(s + 1)[None].expand(2, -1), cache)[:, -1]
+            assert torch.allclose(preds[0][:, s], out, atol=1e-5)
+            for d in (2, 3):  # drafting on: entry s+d-1 reads the previous draft's feature
+                p = s + d - 1
+                out = head(out[:, None], embeds[:, p:p + 1], torch.full((2, 1), p), cache)[:, -1]
+                assert torch.allclose(preds[d - 1][:, p], out, atol=1e-5), (s, d)

@@ -52,13 +52,17 @@ def _args(extra: dict, **kw):
 @click.option("--noise", default=0.1, show_default=True, help="uniform noise U(-x, x) on the input features")
 @click.option("--feature-weight", default=1.0, show_default=True, help="weight of the smooth-L1 feature loss")
 @click.option("--prob-weight", default=0.1, show_default=True, help="weight of the soft cross-entropy")
+@click.option("--depth", default=1, show_default=True,
+              help="unroll drafting this deep in training (EAGLE-3's training-time test); 1: EAGLE-1's loss")
+@click.option("--depth-decay", default=0.8, show_default=True, help="loss weight of depth d is decay**(d-1)")
 @click.option("--init", "init", type=click.Path(exists=True, file_okay=False), default=None,
               help="start from this trained eagle head (for the same target) instead of random weights")
-def eagle_cmd(noise, feature_weight, prob_weight, init, **kw):
+def eagle_cmd(noise, feature_weight, prob_weight, depth, depth_decay, init, **kw):
     """Train an EAGLE head (fc + one decoder layer) for a frozen target."""
     from .eagle import train_eagle
 
-    extra = {"noise": noise, "feature_weight": feature_weight, "prob_weight": prob_weight}
+    extra = {"noise": noise, "feature_weight": feature_weight, "prob_weight": prob_weight, "depth": depth,
+             "depth_decay": depth_decay}
     if init:
         extra["init"] = init
     train_eagle(_args(extra, **kw), log=click.echo)
