@@ -194,6 +194,7 @@ class _Row:
                                  request_id=next(_request_ids))
         self.gamma = gamma  # int, or a policy object with choose(seq, max_k) / update(...)
         self.active: Proposer | None = None
+        self.drafted_last = False  # whether its drafter ran last step (if not, it catches up when it next does)
         self.warned = False
         self.result: GenerationResult | None = None
 
@@ -233,8 +234,9 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
     have ``choose_batch(seqs, max_ks) -> list[int]`` to pick all rows' k together (a step costs the longest
     draft); ``seq.scratch["batch_size"]`` holds the current batch size before each choice, and before ``update``
     ``seq.scratch["batch_step"]`` holds the step's costs (one dict per step, shared by its rows): positions
-    scored per row ``scored`` (K + 1), tokens ``drafted`` by all rows, ``draft_rows`` that drafted,
-    ``draft_time`` (all rows' drafting),
+    scored per row ``scored`` (K + 1), tokens ``drafted`` by all rows, ``draft_rows`` that drafted, of which
+    ``backlog_rows`` had not drafted the step before (their drafters caught up on a prompt or on tokens emitted
+    meanwhile), ``draft_time`` (all rows' drafting),
     ``verify_time`` (the forward and the rule) and ``batch_size``. ``max_batch_size`` caps the rows decoded together;
     the others wait and join as rows finish. ``callback(row, tokens)`` receives each row's emitted tokens.
 
@@ -469,8 +471,11 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
             # what the whole step cost, for batch-aware policies: every row waits for all the drafting, and the
             # forward scores K + 1 positions for every row whatever each proposed (one dict per step)
             step_info = {"scored": K + 1, "drafted": int(lengths.sum()), "draft_rows": int((lengths > 0).sum()),
+                         "backlog_rows": sum(1 for j in drafting if not active[j].drafted_last),
                          "draft_time": t1 - t0,
                          "verify_time": t3 - t1, "batch_size": B}
+            for j, row in enumerate(active):
+                row.drafted_last = asked[j] > 0 and row.active is not None
 
             # --- per-row bookkeeping -----------------------------------------------------------------------
             done: list[int] = []

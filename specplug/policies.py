@@ -208,17 +208,22 @@ class MeasuredCosts:
         return _non_decreasing([(m, t) for (m, b), t in self.verify.items() if b == batch_size])
 
     def _along_n(self, n: int, batch_size: int) -> float | None:
-        """Scoring n tokens a row at this batch size from what was measured there alone (None if too little)."""
+        """Scoring n tokens a row at this batch size from what was measured there alone: measured, between
+        measured lengths interpolated, beyond the longest on the line through the two longest (never below
+        the longest); None below the shortest or with too little measured. (A line extrapolated down to one
+        token once priced a plain step at 0 s and turned drafting off for the rest of a batch.)"""
         here = self._measured_at(batch_size)
-        if len(here) >= 2 or (here and here[0][0] == n):
-            inside = _between(here, n)
-            if inside is not None:
-                return inside
-            if here[0][0] == n:
-                return here[0][1]
-            (m0, t0), (m1, t1) = here[-2:] if n > here[-1][0] else here[:2]
-            return max(t0 + (t1 - t0) * (n - m0) / (m1 - m0), 1e-9)
-        return None
+        if not here or n < here[0][0]:
+            return None
+        if n == here[0][0]:
+            return here[0][1]
+        inside = _between(here, n)
+        if inside is not None:
+            return inside
+        if len(here) < 2:
+            return None
+        (m0, t0), (m1, t1) = here[-2:]
+        return max(t0 + (t1 - t0) * (n - m0) / (m1 - m0), t1)
 
     def _across(self, n: int, batch_size: int) -> float | None:
         """Scoring n tokens a row at this batch size from the nearest batch sizes measured: between two
@@ -248,14 +253,16 @@ class MeasuredCosts:
         # a wave shrinks through once cost a 16-request wave a fifth of its steps, so estimate from the
         # measured batch sizes around it; where one length was measured here, their shape at its level.
         around = self._across(n, batch_size)
+        mine = self._measured_at(batch_size)
         if around is not None:
-            mine = self._measured_at(batch_size)
             if mine:
                 m, t = mine[0]
                 ref = self._across(m, batch_size)
                 if ref:
                     return around * t / ref
             return around
+        if mine and n < mine[0][0]:
+            return mine[0][1]  # fewer tokens never cost more than the fewest measured
         points = [(m, b, t) for (m, b), t in self.verify.items()]
         if len(points) >= 4 and len({m for m, _, _ in points}) >= 2 and len({b for _, b, _ in points}) >= 2:
             design = np.array([[1.0, m, b, m * b] for m, b, _ in points])
@@ -489,8 +496,11 @@ class CostModelPolicy(GammaPolicy):
         if step:  # in a batch: the step's costs once (every row reports the same step)
             if step is not self._last_step:
                 self._last_step = step
+                # drafting is a clean measurement only if no row's drafter had a backlog to catch up on (a row
+                # that joined brings its whole prompt: counted in, it priced drafting 8 rows up after each join)
+                clean = step["backlog_rows"] == 0 if "backlog_rows" in step else self._last_rows >= step["draft_rows"]
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
-                                   step["scored"], self._last_rows >= step["draft_rows"], step["draft_rows"])
+                                   step["scored"], clean, step["draft_rows"])
                 self._last_rows = step["draft_rows"]
         else:
             self.costs.observe(proposed, draft_time, verify_time, batch_size, None, state.get("drafted", 0) > 0)

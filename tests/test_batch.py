@@ -380,3 +380,35 @@ def test_proposers_get_their_rows_target_features(tiny_target):
     checker = FeatureChecker(tiny_target)
     out = generate_batch(tiny_target, checker, PROMPTS, max_new_tokens=20, sampling=specplug.GREEDY, strict=True)
     assert checker.checked == sum(r.stats.target_calls for r in out)
+
+
+class StepRecorder(Recorder):
+    """Drafts 2 tokens in every row, except none in every third step; records each step's shared costs."""
+
+    name = "step-recorder"
+
+    def __init__(self):
+        super().__init__(2)
+        self.steps, self.calls = [], 0
+
+    def choose_batch(self, seqs, max_ks):
+        self.calls += 1
+        return [0 if self.calls % 3 == 0 else 2 for _ in seqs]
+
+    def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
+        step = seq.scratch["batch_step"]
+        if not self.steps or self.steps[-1] is not step:
+            self.steps.append(step)
+
+
+def test_steps_report_the_rows_whose_drafter_had_a_backlog(tiny_target):
+    # a drafter that did not run last step (a row that just joined, or k was 0) catches up first, so that
+    # step's drafting time is no measure of drafting: the step says how many such rows drafted
+    policy = StepRecorder()
+    generate_batch(tiny_target, NoisyOracle(tiny_target), PROMPTS[:3], max_new_tokens=12, sampling=specplug.GREEDY,
+                   num_speculative_tokens=policy, max_batch_size=2)
+    rows = [(s["draft_rows"], s["backlog_rows"]) for s in policy.steps]
+    assert rows[0] == (2, 2)  # both rows start with their prompts
+    assert rows[1] == (2, 0) and rows[2] == (0, 0) and rows[3] == (2, 2)  # after a plain step every drafter lags
+    # the third prompt joins when a row finishes: its first drafting step has one backlog row at least
+    assert any(backlog == 1 for _, backlog in rows[3:])

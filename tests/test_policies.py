@@ -409,3 +409,26 @@ def test_a_new_row_count_takes_the_fixed_share_of_drafting_from_a_solved_one():
     share = one_row(0) / one_row(2)  # the fixed part's share of a 2-pass step at one row
     assert costs.draft_time(4, 8) == pytest.approx(0.0030 * (share + (1 - share) * 2))
     assert costs.draft_time(4, 8) < 0.0030 * 2  # below proportional
+
+
+def test_a_step_in_which_a_joining_row_caught_up_is_not_a_drafting_measurement(tiny_target):
+    policy = CostModelPolicy(max_gamma=4)
+    seqs = [seq_state(tiny_target) for _ in range(8)]
+    for i, (draft_time, backlog) in enumerate([(0.004, 0), (0.004, 0), (0.012, 1), (0.004, 0)]):
+        step = {"drafted": 32, "draft_time": draft_time, "verify_time": 0.015, "batch_size": 8, "scored": 5,
+                "draft_rows": 8, "backlog_rows": backlog}
+        for seq in seqs:
+            seq.scratch["batch_step"] = step
+            policy.update(seq, 4, 3, draft_time / 8, 0.015, 8)
+    # same rows drafting as the step before, but one had just joined and drafted its prompt first: left out
+    assert policy.costs.draft_time(4, 8) == pytest.approx(0.004)
+
+
+def test_scoring_fewer_tokens_than_measured_is_bounded_not_extrapolated():
+    # two odd measurements at the end of a batch (3 tokens cheap, 5 dear): a line through them priced a
+    # plain step at 0 s, and the policy stopped drafting for the rest of the batch
+    costs = MeasuredCosts()
+    costs.observe(2, 0.0, 0.0051, 4)
+    costs.observe(4, 0.0, 0.0152, 4)
+    assert costs.verify_time(1, 4) == pytest.approx(0.0051)
+    assert costs.verify_time(9, 4) >= 0.0152  # beyond the longest: on their line, never below it
