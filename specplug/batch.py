@@ -475,7 +475,7 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
                          "draft_time": t1 - t0,
                          "verify_time": t3 - t1, "batch_size": B}
             for j, row in enumerate(active):
-                row.drafted_last = asked[j] > 0 and row.active is not None
+                row.drafted_last = j in drafting
 
             # --- per-row bookkeeping -----------------------------------------------------------------------
             done: list[int] = []
