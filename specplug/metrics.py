@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+def expected_tokens(alpha: float, k: float) -> float:
+    """Tokens a step emits on average when each of k drafts is accepted with probability α (bonus included)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
 def predicted_speedup(alpha: float, gamma: float, c: float, verify_cost: float = 1.0) -> float:
     """Leviathan et al.'s expected speed-up (1 - α^(γ+1)) / ((1 - α)(γc + 1)).
 
@@ -15,8 +22,7 @@ def predicted_speedup(alpha: float, gamma: float, c: float, verify_cost: float =
     """
     if gamma <= 0:
         return 1.0
-    expected_tokens = gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-    return expected_tokens / (gamma * c + verify_cost)
+    return expected_tokens(alpha, gamma) / (gamma * c + verify_cost)
 
 
 @dataclass

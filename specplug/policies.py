@@ -13,6 +13,7 @@ import numpy as np
 
 from specplug.plugins.hookspecs import hookimpl
 
+from .metrics import expected_tokens
 from .types import SequenceState
 
 
@@ -111,13 +112,6 @@ class _Line:
             share = shape[0] / (shape[0] + shape[1] * mean_n)
             return share * mean_t, (1 - share) * mean_t / mean_n
         return 0.0, mean_t / mean_n
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a step emits on average when each of k drafts is accepted with probability α (bonus included)."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 @dataclass
