@@ -160,6 +160,7 @@ class EagleProposer(Proposer):
             if head is None:
                 raise TypeError(f"eagle needs head= (a trained head directory, or 'random') for target "
                                 f"{target.name!r}; only bundled zoo targets have a default head")
+        recommended = None  # the head's config.json may recommend drafting settings (drafting.vocab)
         if isinstance(head, EagleHead):
             module = head
         elif isinstance(head, str) and head == "random":
@@ -169,12 +170,10 @@ class EagleProposer(Proposer):
             config, state = heads.load_head(self.head_path, KIND, target)
             module = EagleHead(config["head"])
             module.load_state_dict(state)
+            recommended = config.get("drafting", {}).get("vocab")
         if module.config["hidden_size"] != target.hidden_size or module.config.get("vocab_size", target.vocab_size) != target.vocab_size:
             raise ValueError(f"eagle: head (hidden {module.config['hidden_size']}) does not fit target "
                              f"{target.name!r} (hidden {target.hidden_size}, vocab {target.vocab_size})")
-        recommended = None
-        if self.head_path is not None:
-            recommended = heads.read_head_config(self.head_path).get("drafting", {}).get("vocab")
         ranks, ranks_file = read_ranks(self.head_path, getattr(target, "path", None))
         self.subset = vocab_subset(vocab if vocab is not None else (recommended or "all"), ranks, ranks_file,
                                    target.vocab_size, KIND)
