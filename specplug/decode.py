@@ -116,7 +116,10 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
 
     t_start = time.perf_counter()
     state = KVState()
-    target.prefill(ids, state)
+    if features and len(ids) > 1:  # the prefill computes the prompt's features too: no second pass for them
+        seq.prompt_features = target.forward(state, ids[:-1], features, logits_to_keep=1).features
+    else:
+        target.prefill(ids, state)
     seq.target_cache = state
     stats.prefill_time = time.perf_counter() - t_start
     seq.scratch["proposer"] = name

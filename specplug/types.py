@@ -30,6 +30,9 @@ class SequenceState:
     target_cache: object | None = None
     # A proposer's private per-sequence state (its draft cache, its index), keyed by whatever it likes.
     scratch: dict = field(default_factory=dict)
+    # The target's features (``needs_features``) of the prompt's prefilled positions (all but its last token),
+    # where the loop's prefill computed them; a proposer may take them in ``begin`` instead of a second pass.
+    prompt_features: dict | None = None
 
     @property
     def output_ids(self) -> list[int]:

@@ -263,3 +263,18 @@ def test_unrolled_training_pass_predicts_what_drafting_computes(small_target):
                 p = s + d - 1
                 out = head(out[:, None], embeds[:, p:p + 1], torch.full((2, 1), p), cache)[:, -1]
                 assert torch.allclose(preds[d - 1][:, p], out, atol=1e-5), (s, d)
+
+
+def test_eagle_takes_the_prompt_features_from_the_loops_prefill(small_target, monkeypatch):
+    sampling = specplug.SamplingParams(temperature=1.0, seed=2)
+    want = specplug.generate(small_target, random_proposer("eagle", small_target), PROMPT, max_new_tokens=20,
+                             sampling=sampling, strict=True)
+
+    def second_pass(*args, **kwargs):
+        raise AssertionError("eagle ran a second target pass over the prompt")
+
+    monkeypatch.setattr(heads, "prefix_features", second_pass)
+    got = specplug.generate(small_target, random_proposer("eagle", small_target), PROMPT, max_new_tokens=20,
+                            sampling=sampling, strict=True)
+    # the same features either way (the prefill's and a separate pass's agree), so the same draws
+    assert got.tokens == want.tokens and got.stats.accepted_tokens == want.stats.accepted_tokens > 0
