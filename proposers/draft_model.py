@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from specplug import zoo
+from specplug import draft_stop, int8_products, zoo
 from specplug.drafting_vocab import full_q, read_ranks, vocab_subset
 from specplug.plugins.hookspecs import hookimpl
 from specplug.lean_llama import LeanCache, lean_or_reason
@@ -33,7 +33,8 @@ class DraftModelProposer(Proposer):
     def __init__(self, target: Target | None = None, model: str | os.PathLike | torch.nn.Module | None = None,
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                  trust_remote_code: bool = False, fast: bool = True,
-                 vocab: int | Sequence[int] | str | None = None, stop_below: float | str | None = None):
+                 vocab: int | Sequence[int] | str | None = None, stop_below: float | str | None = None,
+                 weights: str = "loaded"):
         """``vocab``: draft only among these token ids (a list), or among the ``vocab`` most frequent ones (an
         int: the draft's directory or else the target's must hold ``frequent_tokens.json``, as the bundled
         target's does; ``specplug train token-ranks`` writes one), or over the whole vocabulary (``"all"``). None (the default) takes the
@@ -43,7 +44,12 @@ class DraftModelProposer(Proposer):
         below this (the token is still proposed; drafting beyond it would mostly be rejected). The draft's
         length then depends only on the draft's own draws, so the verifier stays exact. None (the default)
         takes that file's recommendation (``frequent_tokens.json``'s ``stop_below``), if any; 0
-        turns it off."""
+        turns it off.
+
+        ``weights``: ``"loaded"`` multiplies by the weights as loaded (``dtype``); ``"int8"`` by weight-only int8
+        copies of every product (see :mod:`specplug.int8_products`; needs the lean path, ``fast=True``)."""
+        if weights not in ("loaded", "int8"):
+            raise ValueError(f"draft-model: weights must be 'loaded' or 'int8', got {weights!r}")
         if target is None:
             raise TypeError("draft-model needs target= (the Target it drafts for)")
         if model is None:
@@ -68,7 +74,7 @@ class DraftModelProposer(Proposer):
         self.lean, self.lean_note = lean_or_reason(lm, one_row_copies=True) if fast else (None, "fast=False")
         ranks, ranks_file = read_ranks(None if isinstance(model, torch.nn.Module) else model, target.path)
         self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, "draft-model")
-        self.stop_below = _stop_below(stop_below, ranks)
+        self.stop_below = draft_stop.threshold(stop_below, (ranks or {}).get("stop_below"), "draft-model")
         self.vocab_size = target.vocab_size
         if self.subset is not None:
             self.subset = self.subset.to(device)
@@ -76,6 +82,15 @@ class DraftModelProposer(Proposer):
                 head = lm.get_output_embeddings()
                 self.lean.set_head(head.weight.detach()[self.subset].contiguous(),
                                    None if head.bias is None else head.bias.detach()[self.subset].contiguous())
+        self.weights = weights
+        if weights == "int8":
+            if self.lean is None:
+                raise ValueError(f"draft-model: weights='int8' needs the lean path, which this draft cannot take "
+                                 f"({self.lean_note})")
+            if not int8_products.available(str(device)):
+                raise ValueError(f"draft-model: weights='int8' needs torch's int8 kernel "
+                                 f"(torch._weight_int8pack_mm), which this torch build does not run on {device}")
+            self.lean.to_int8()
 
     def _new_state(self) -> KVState | LeanCache:
         return self.lean.new_cache() if self.lean is not None else KVState()
@@ -97,19 +112,11 @@ class DraftModelProposer(Proposer):
         """A token and its q over the whole vocabulary from logits over the drafting vocabulary, and whether
         drafting may go on after it (see ``stop_below``)."""
         token, q = draw(logits, seq.sampling, seq.rng, self._sample)
-        go_on = not self.stop_below or self._confidence(logits, token, q) >= self.stop_below
+        go_on = not self.stop_below or draft_stop.confidence(logits, token, q) >= self.stop_below
         if self.subset is None:
             return token, q, go_on
         # q zero outside the subset: the token was drawn from exactly this
         return int(self.subset[token]), full_q(q, self.subset, self.vocab_size), go_on
-
-    @staticmethod
-    def _confidence(logits: torch.Tensor, token: int, q: torch.Tensor | None) -> float:
-        """The draft's probability of the token it drew: q(token) when sampling; under greedy decoding (q a
-        point mass) the unprocessed softmax's top probability."""
-        if q is not None:
-            return float(q[token])
-        return float(torch.softmax(logits.float(), -1)[token])
 
     def begin(self, seq: SequenceState) -> None:
         seq.scratch[self.name] = self._new_state()
@@ -212,21 +219,6 @@ def _default_draft(target: Target):
         return zoo.resolve(zoo.PREFIX + zoo.DEFAULT_DRAFT[short])
     raise TypeError(f"draft-model needs model= (a directory, hub id or zoo: name) for target {target.name!r}; "
                     "only bundled zoo targets have a default draft")
-
-
-def _stop_below(value, ranks: dict | None) -> float:
-    """The early-stop threshold: the value given, else the draft directory's recommendation, else off (0)."""
-    if value is None:
-        value = (ranks or {}).get("stop_below")
-    if value is None:
-        return 0.0
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"draft-model: stop_below must be a probability in [0, 1), got {value!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"draft-model: stop_below must be a probability in [0, 1), got {value}")
-    return value
 
 
 def _check_vocabulary(target: Target, draft: Target) -> None:

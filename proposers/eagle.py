@@ -24,9 +24,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from specplug import few_rows, heads, zoo
+from specplug import draft_stop, few_rows, heads, int8_products, zoo
 from specplug.drafting_vocab import full_q, read_ranks, vocab_subset
-from specplug.lean_llama import LayerCache, LeanLayer, RopeTable
+from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import draw
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
@@ -140,7 +140,8 @@ class EagleProposer(Proposer):
 
     def __init__(self, target=None, head: str | os.PathLike | EagleHead | None = None, seed: int = 0,
                  init_std: float = 0.02, prompt_features: bool = True,
-                 vocab: int | Sequence[int] | str | None = None):
+                 vocab: int | Sequence[int] | str | None = None, weights: str | None = None,
+                 stop_below: float | str | None = None):
         """``head``: a head directory, a ``zoo:`` head name, an :class:`EagleHead`, or ``"random"`` (a
         randomly initialised head, for tests; ``seed``/``init_std`` set it). Default: the head bundled for a
         zoo target or found beside a local target directory (``<target>-eagle``).
@@ -149,7 +150,13 @@ class EagleProposer(Proposer):
         ``vocab``: draft only among these token ids (a list), the ``vocab`` most frequent ones (an int; needs
         ``frequent_tokens.json`` in the head's or the target's directory), or all (``"all"``); the LM head then
         projects onto those rows only (see :mod:`specplug.drafting_vocab`). None: the head's ``config.json``
-        recommendation (``drafting.vocab``), else all."""
+        recommendation (``drafting.vocab``), else all.
+        ``weights``: how the head multiplies while drafting: ``"int8"`` (weight-only int8 copies of its
+        products, see :mod:`specplug.int8_products`; a subset's LM-head rows too), ``"target"`` (in the
+        target's product dtype, bf16 for the zoo target, as the head was trained) or ``"float32"``. None: the
+        head's ``config.json`` recommendation (``drafting.weights``), else ``"target"``.
+        ``stop_below``: end a draft after a token the head gives less than this probability (see
+        :mod:`specplug.draft_stop`). None: the head's recommendation (``drafting.stop_below``), else off."""
         if target is None:
             raise TypeError("eagle needs target= (the Target whose features it reads)")
         self.target = target
@@ -160,7 +167,7 @@ class EagleProposer(Proposer):
             if head is None:
                 raise TypeError(f"eagle needs head= (a trained head directory, or 'random') for target "
                                 f"{target.name!r}; only bundled zoo targets have a default head")
-        recommended = None  # the head's config.json may recommend drafting settings (drafting.vocab)
+        recommended = {}  # the head's config.json may recommend drafting settings (drafting.vocab, ...)
         if isinstance(head, EagleHead):
             module = head
         elif isinstance(head, str) and head == "random":
@@ -170,13 +177,16 @@ class EagleProposer(Proposer):
             config, state = heads.load_head(self.head_path, KIND, target)
             module = EagleHead(config["head"])
             module.load_state_dict(state)
-            recommended = config.get("drafting", {}).get("vocab")
+            recommended = config.get("drafting", {})
         if module.config["hidden_size"] != target.hidden_size or module.config.get("vocab_size", target.vocab_size) != target.vocab_size:
             raise ValueError(f"eagle: head (hidden {module.config['hidden_size']}) does not fit target "
                              f"{target.name!r} (hidden {target.hidden_size}, vocab {target.vocab_size})")
         ranks, ranks_file = read_ranks(self.head_path, getattr(target, "path", None))
-        self.subset = vocab_subset(vocab if vocab is not None else (recommended or "all"), ranks, ranks_file,
-                                   target.vocab_size, KIND)
+        self.subset = vocab_subset(vocab if vocab is not None else recommended.get("vocab", "all"), ranks,
+                                   ranks_file, target.vocab_size, KIND)
+        self.weights = _weights(weights if weights is not None else recommended.get("weights", "target"),
+                                target.device)
+        self.stop_below = draft_stop.threshold(stop_below, recommended.get("stop_below"), KIND)
         self.vocab_size = target.vocab_size
         self.sub_head = None
         if self.subset is not None:  # the shared LM head's rows for the subset (a copy of N of its V rows)
@@ -186,11 +196,22 @@ class EagleProposer(Proposer):
         self.head = module.to(device=target.device, dtype=target.dtype).eval()
         for p in self.head.parameters():
             p.requires_grad_(False)
-        # the head's products in the target's product dtype (bf16 for the zoo target, as the head was trained
-        # under bf16 autocast): a drafting step reads half the bytes (zoo head: 0.71 -> 0.50 ms a token)
-        few_rows.install(self.head, weight_dtype=getattr(target, "matmul_dtype", None))
+        int8 = self.weights == "int8"
+        if self.weights == "target":
+            # bf16 for the zoo target, as the head was trained under bf16 autocast: a drafting step reads half
+            # the bytes of float32 (zoo head: 0.71 -> 0.50 ms a token)
+            few_rows.install(self.head, weight_dtype=getattr(target, "matmul_dtype", None))
         # drafting runs the head's layer through specplug.lean_llama: HF's per-call cost would dominate
-        self.lean_layer = LeanLayer(self.head.layer)
+        self.lean_layer = LeanLayer(self.head.layer, int8=int8)
+        self.fc = Product(self.head.fc.weight, self.head.fc.bias, int8=int8)
+        if self.sub_head is not None:
+            self.sub_head = Product(self.sub_head, int8=int8)
+        if int8 and not isinstance(head, EagleHead):
+            # a head loaded here is ours: its float linear weights are no longer used, so let them go
+            for m in self.head.modules():
+                if isinstance(m, nn.Linear):
+                    m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+                    m.bias = None if m.bias is None else nn.Parameter(m.bias.new_empty(0), requires_grad=False)
         self.rope = RopeTable(self.head.rotary, target.device, target.dtype)
 
     # --- per-sequence state ----------------------------------------------------------------------
@@ -212,7 +233,7 @@ class EagleProposer(Proposer):
         # a loop that prefills with features may hand them over (seq.prompt_features); else one extra forward
         given = (getattr(seq, "prompt_features", None) or {}).get("last")
         if given is not None and given.shape[0] == n - 1 and n - 1 == seq.num_prompt - 1:
-            feats = given
+            feats, seq.prompt_features = given, None  # taken: the sequence need not keep them
         else:
             feats = heads.prefix_features(seq.target, seq.ids[: n - 1])
         return _State(self.lean_layer.new_cache(), base=0, fed=0, known=n - 1, pending=[feats] if n > 1 else [])
@@ -222,7 +243,7 @@ class EagleProposer(Proposer):
 
     def _step(self, features: torch.Tensor, embeds: torch.Tensor, start: int, cache: LayerCache) -> torch.Tensor:
         """The head's forward for one sequence: features, embeds [T, h] at positions start.. -> f^ [T, h]."""
-        x = self.head.fc(torch.cat([embeds, features], dim=-1))
+        x = self.fc(torch.cat([embeds, features], dim=-1))
         cos, sin = self.rope.get(start, x.shape[0])
         return self.lean_layer(x, cos, sin, cache)
 
@@ -236,21 +257,23 @@ class EagleProposer(Proposer):
             return Proposal.empty(device)
         emb, lm_head = self.target.embedding, self.target.lm_head
         with torch.inference_mode():
-            feats = torch.cat(st.pending).to(device=device, dtype=self.head.fc.weight.dtype)
+            feats = torch.cat(st.pending).to(device=device, dtype=self.target.dtype)
             start = st.fed
             tokens = torch.tensor(seq.ids[start + 1: n], device=device)
             f_hat = self._step(feats, emb(tokens), start, st.cache)[-1]
             st.fed, st.pending = n - 1, []
             drafted, q_rows = [], []
             for j in range(k):
-                if self.sub_head is None:
-                    token, q = draw(lm_head(f_hat), seq.sampling, seq.rng)
-                else:  # q zero outside the subset: the token was drawn from exactly this
-                    token, q = draw(few_rows.linear(f_hat, self.sub_head), seq.sampling, seq.rng)
+                logits = lm_head(f_hat) if self.sub_head is None else self.sub_head(f_hat)
+                token, q = draw(logits, seq.sampling, seq.rng)
+                go_on = not self.stop_below or draft_stop.confidence(logits, token, q) >= self.stop_below
+                if self.sub_head is not None:  # q zero outside the subset: the token was drawn from exactly this
                     token, q = int(self.subset[token]), full_q(q, self.subset, self.vocab_size)
                 drafted.append(token)
                 if q is not None:
                     q_rows.append(q)
+                if not go_on:
+                    break
                 if j + 1 < k:
                     tok = torch.tensor([token], device=device)
                     f_hat = self._step(f_hat[None], emb(tok), n - 1 + j, st.cache)[-1]
@@ -272,8 +295,24 @@ class EagleProposer(Proposer):
         seq.scratch.pop(self.name, None)
 
     def memory_bytes(self) -> int:
-        sub = 0 if self.sub_head is None else self.sub_head.numel() * self.sub_head.element_size()
-        return sub + sum(p.numel() * p.element_size() for p in self.head.parameters())
+        products = [*self.lean_layer.products(), self.fc] + ([] if self.sub_head is None else [self.sub_head])
+        # the sub-head's rows are a copy (bytes of its weight); the others' float weights are the head's own
+        sub = 0 if self.sub_head is None or self.sub_head.weight is None else \
+            self.sub_head.weight.numel() * self.sub_head.weight.element_size()
+        return sub + sum(p.nbytes() for p in products) + sum(p.numel() * p.element_size() for p in self.head.parameters())
+
+
+_WEIGHTS = ("int8", "target", "float32")
+
+
+def _weights(value, device) -> str:
+    """The drafting weights' form, checked: int8 needs its kernel on the target's device."""
+    if value not in _WEIGHTS:
+        raise ValueError(f"eagle: weights must be one of {', '.join(map(repr, _WEIGHTS))}, got {value!r}")
+    if value == "int8" and not int8_products.available(str(device)):
+        raise ValueError(f"eagle: weights='int8' needs torch's int8 kernel (torch._weight_int8pack_mm), which "
+                         f"this torch build does not run on {device}; pass weights='target'")
+    return value
 
 
 @hookimpl

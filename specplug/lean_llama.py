@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import few_rows
+from .int8_products import Int8Product
 
 # Rotary variants whose cos/sin depend only on the position (a "dynamic" one rescales with sequence length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
@@ -89,13 +90,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def _fuse(first: torch.nn.Linear, *rest: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(first: torch.nn.Linear, *rest: torch.nn.Linear, share: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input, so a step makes one product.
 
-    The modules' weights become views into it: nothing is duplicated, and HF's own forward still works."""
+    With ``share``, the modules' weights become views into it: nothing is duplicated, and HF's own forward
+    still works (without it the result is a temporary, e.g. to quantize)."""
     layers = (first, *rest)
     weight = torch.cat([m.weight.detach() for m in layers])
     bias = None if first.bias is None else torch.cat([m.bias.detach() for m in layers])
+    if not share:
+        return weight, bias
     at = 0
     for m in layers:
         n = m.weight.shape[0]
@@ -114,41 +118,52 @@ class Product:
     takes half the time of few_rows' two-row padding while the weights are in cache (measured, 2 cores:
     9 vs 18 µs for 768 × 256, 26 vs 39 µs for 2048 × 256), and as long once a target pass has evicted them;
     products over several rows (batched drafting) stay fastest row-major. A drafter's arithmetic never
-    touches exactness (the verifier uses the q it reports), so the two forms need not round alike."""
+    touches exactness (the verifier uses the q it reports), so the two forms need not round alike.
 
-    __slots__ = ("weight", "bias", "one_row")
+    ``int8`` (drafters only): the product keeps only an int8 copy of the weight (see
+    :mod:`specplug.int8_products`) and ``weight`` is None."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, one_row_copy: bool = False):
-        self.weight, self.bias = weight, bias
-        self.one_row = weight.t().contiguous().t() if one_row_copy else None
+    __slots__ = ("weight", "bias", "one_row", "int8")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, one_row_copy: bool = False,
+                 int8: bool = False):
+        self.int8 = Int8Product(weight, bias) if int8 else None
+        self.weight, self.bias = (None, None) if int8 else (weight, bias)
+        self.one_row = weight.t().contiguous().t() if one_row_copy and not int8 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            return self.int8(x)
         if self.one_row is not None and x.shape[0] == 1:
             return F.linear(x, self.one_row, self.bias)
         return few_rows.linear(x, self.weight, self.bias)
 
     def nbytes(self) -> int:
-        """Bytes of the one-row copy (the weight itself belongs to the model)."""
+        """Bytes of the one-row or int8 copy (the weight itself belongs to the model)."""
+        if self.int8 is not None:
+            return self.int8.nbytes()
         return 0 if self.one_row is None else self.one_row.numel() * self.one_row.element_size()
 
 
 class LeanLayer:
     """An HF ``LlamaDecoderLayer`` run for one sequence: q/k/v and gate/up each as one product.
 
-    ``one_row_copies`` (drafters, CPU float32): see :class:`Product`."""
+    ``one_row_copies`` (drafters, CPU float32) and ``int8`` (drafters: int8 copies of the products, the
+    layer's own linear weights left untouched and unused): see :class:`Product`."""
 
-    def __init__(self, layer: torch.nn.Module, one_row_copies: bool = False):
+    def __init__(self, layer: torch.nn.Module, one_row_copies: bool = False, int8: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
         self.layer, self.head_dim, self.scaling = layer, attn.head_dim, attn.scaling
         self.heads = attn.q_proj.weight.shape[0] // attn.head_dim
         self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
         self.inter = mlp.gate_proj.weight.shape[0]
         copy = one_row_copies and attn.q_proj.weight.dtype == torch.float32
-        self.qkv = Product(*_fuse(attn.q_proj, attn.k_proj, attn.v_proj), one_row_copy=copy)
-        self.gate_up = Product(*_fuse(mlp.gate_proj, mlp.up_proj), one_row_copy=copy)
+        share = not int8  # int8 products quantize a temporary fused weight
+        self.qkv = Product(*_fuse(attn.q_proj, attn.k_proj, attn.v_proj, share=share), one_row_copy=copy, int8=int8)
+        self.gate_up = Product(*_fuse(mlp.gate_proj, mlp.up_proj, share=share), one_row_copy=copy, int8=int8)
         # the modules' own weights, called directly: the same arithmetic as their (few_rows) forward
-        self.o = Product(attn.o_proj.weight, attn.o_proj.bias, one_row_copy=copy)
-        self.down = Product(mlp.down_proj.weight, mlp.down_proj.bias, one_row_copy=copy)
+        self.o = Product(attn.o_proj.weight, attn.o_proj.bias, one_row_copy=copy, int8=int8)
+        self.down = Product(mlp.down_proj.weight, mlp.down_proj.bias, one_row_copy=copy, int8=int8)
         self.act = F.silu if type(mlp.act_fn) is torch.nn.SiLU else mlp.act_fn
         self.norm_in, self.norm_post = Norm(layer.input_layernorm), Norm(layer.post_attention_layernorm)
 
@@ -260,11 +275,21 @@ class LeanLlama:
         """Replace the LM head's product, e.g. by a drafter's rows for a subset of the vocabulary."""
         self.head = Product(weight, bias, one_row_copy=self.one_row_copies and weight.dtype == torch.float32)
 
+    def to_int8(self) -> None:
+        """Multiply by int8 copies of every product, the head's too (drafters only: see
+        :mod:`specplug.int8_products`). Called after the probe that checked this path against HF's forward."""
+        for layer in self.layers:
+            for name in ("qkv", "gate_up", "o", "down"):
+                product = getattr(layer, name)
+                setattr(layer, name, Product(product.weight, product.bias, int8=True))
+        self.head = Product(self.head.weight, self.head.bias, int8=True)
+
     def extra_bytes(self) -> int:
-        """Memory beyond the model's own parameters: the one-row copies, and a replaced head's rows."""
+        """Memory beyond the model's own parameters: the one-row or int8 copies, and a replaced head's rows."""
         products = [p for layer in self.layers for p in layer.products()] + [self.head]
         own = self.model.get_output_embeddings().weight
-        head = 0 if self.head.weight is own else self.head.weight.numel() * self.head.weight.element_size()
+        weight = self.head.weight
+        head = 0 if weight is None or weight is own else weight.numel() * weight.element_size()
         return sum(p.nbytes() for p in products) + head
 
     def new_cache(self) -> LeanCache:

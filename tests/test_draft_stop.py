@@ -1,4 +1,4 @@
-"""draft-model's early stop (``stop_below``): a draft ends after a token the draft itself doubts, the output
+"""draft-model's and eagle's early stop (``stop_below``): a draft ends after a token the draft itself doubts, the output
 stays exactly the target's (sampled and greedy, single and batched), and a bad threshold is a clear error."""
 import json
 import shutil
@@ -8,7 +8,9 @@ import torch
 
 import specplug
 from specplug.drafting_vocab import FREQUENT_TOKENS
+from specplug import heads
 from specplug.proposers.draft_model import DraftModelProposer
+from specplug.proposers.eagle import EagleHead, EagleProposer
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
 from specplug.types import SequenceState
 
@@ -87,3 +89,36 @@ def test_stop_below_defaults_to_the_drafts_recommendation(tiny_dirs, tiny_target
                                                      "stop_below": 0.25}))
     assert DraftModelProposer(target=tiny_target, model=draft).stop_below == 0.25
     assert DraftModelProposer(target=tiny_target, model=draft, stop_below=0).stop_below == 0.0
+
+
+class CountingEagle(EagleProposer):
+    """Records (asked, proposed) per proposal."""
+
+    lengths: list[tuple[int, int]]
+
+    def propose(self, seq, k):
+        proposal = super().propose(seq, k)
+        self.lengths.append((k, proposal.k))
+        return proposal
+
+
+def test_eagle_draft_stops_after_a_doubted_token_and_stays_exact(small_target):
+    sampling = specplug.SamplingParams(temperature=1.0)
+    proposer = CountingEagle(small_target, head="random", seed=3, init_std=0.15, stop_below=0.3)
+    proposer.lengths = []
+    expected = exact_distribution(small_target, PROMPT, 3, sampling)
+    counts = sampled_distribution(small_target, proposer, PROMPT, 3, sampling, 2000)
+    cut = sum(1 for asked, got in proposer.lengths if got < asked)
+    assert 0.1 * len(proposer.lengths) < cut < 0.9 * len(proposer.lengths)
+    assert all(got >= 1 for _, got in proposer.lengths)
+    assert chi_square_pvalue(counts, expected) > EXACTNESS_ALPHA
+
+
+def test_eagle_stop_below_defaults_to_the_heads_recommendation(small_target, tmp_path):
+    module = EagleHead.for_target(small_target.model.config, seed=1)
+    heads.save_head(tmp_path / "e", "eagle", module.state_dict(), module.config, small_target,
+                    drafting={"stop_below": 0.25})
+    assert EagleProposer(small_target, head=tmp_path / "e").stop_below == 0.25
+    assert EagleProposer(small_target, head=tmp_path / "e", stop_below=0).stop_below == 0.0
+    with pytest.raises(ValueError, match="eagle: stop_below"):
+        EagleProposer(small_target, head=tmp_path / "e", stop_below=1.5)

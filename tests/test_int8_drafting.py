@@ -1,0 +1,98 @@
+"""Weight-only int8 drafting (``eagle:weights=int8``, ``draft-model:weights=int8``): the products multiply by
+what their scales say, the output stays exactly the target's (sampled, greedy, batched), the float weights they
+replace are let go, and a wrong setting is a clear error naming the proposer."""
+import pytest
+import torch
+
+import specplug
+from specplug import int8_products
+from specplug.proposers.draft_model import DraftModelProposer
+from specplug.proposers.eagle import EagleProposer
+from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
+
+PROMPT = [1, 2, 3, 4, 5, 0, 1, 2]
+SETTINGS = {
+    "temperature-1": specplug.SamplingParams(temperature=1.0),
+    "top-k-3-top-p-0.8-temp-0.7": specplug.SamplingParams(temperature=0.7, top_k=3, top_p=0.8),
+}
+
+pytestmark = pytest.mark.skipif(not int8_products.available("cpu"), reason="no int8 kernel in this torch build")
+
+
+def test_int8_product_rounds_each_weight_to_its_rows_scale():
+    weight = torch.randn(48, 32, generator=torch.Generator().manual_seed(0))
+    weight[3] *= 100  # one loud row must not coarsen the others: scales are per row
+    product = int8_products.Int8Product(weight, bias=torch.ones(48))
+    scales = weight.abs().amax(1) / 127
+    error = (product.dequantized() - weight).abs()
+    # half a step (the step a bf16 rounding of the row's max / 127; its max may clip by that rounding, 2^-8)
+    assert bool((error <= 0.5 * scales[:, None] * (1 + 2.0 ** -7) + 1e-6).all())
+    assert float(error[3].max()) > 100 * float(error[0].max())
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    want = x @ product.dequantized().T + 1
+    # the kernel takes bf16 inputs: allow their rounding, relative to the size of each output row
+    torch.testing.assert_close(product(x), want, atol=0.02 * float(want.abs().max()), rtol=0)
+    assert product(x).dtype == torch.float32 and product(x[0]).shape == (48,)
+
+
+def random_eagle(target, **options):
+    return EagleProposer(target, head="random", seed=3, init_std=0.15, weights="int8", **options)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_eagle_with_int8_weights_is_exact(setting, small_target):
+    sampling = SETTINGS[setting]
+    expected = exact_distribution(small_target, PROMPT, 3, sampling)
+    counts = sampled_distribution(small_target, random_eagle(small_target, vocab=[0, 2, 3, 5]), PROMPT, 3,
+                                  sampling, 1500)
+    assert chi_square_pvalue(counts, expected) > EXACTNESS_ALPHA
+
+
+def test_draft_model_with_int8_weights_is_exact(small_vocab_dirs, small_target):
+    sampling = SETTINGS["temperature-1"]
+    proposer = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="int8")
+    expected = exact_distribution(small_target, PROMPT, 3, sampling)
+    counts = sampled_distribution(small_target, proposer, PROMPT, 3, sampling, 1500)
+    assert chi_square_pvalue(counts, expected) > EXACTNESS_ALPHA
+
+
+def test_int8_drafters_decode_greedy_as_target_only_single_and_batched(tiny_dirs, tiny_target):
+    prompts = ["def add(a, b):\n", "class Stack:\n    def push(self, x):\n"]
+    greedy = specplug.SamplingParams(temperature=0)
+    base = [specplug.generate(tiny_target, None, p, max_new_tokens=60, sampling=greedy).tokens for p in prompts]
+    for proposer in (random_eagle(tiny_target),
+                     DraftModelProposer(target=tiny_target, model=tiny_dirs["draft"], weights="int8")):
+        for prompt, want in zip(prompts, base):
+            out = specplug.generate(tiny_target, proposer, prompt, max_new_tokens=60, sampling=greedy,
+                                    num_speculative_tokens=4, strict=True)
+            assert out.tokens == want, proposer.name
+            assert out.stats.draft_tokens > 0
+        batched = specplug.generate_batch(tiny_target, proposer, prompts, max_new_tokens=60, sampling=greedy,
+                                          num_speculative_tokens=4)
+        assert [r.tokens for r in batched] == base, proposer.name
+
+
+def test_int8_drafters_hold_int8_copies_instead_of_float_weights(small_vocab_dirs, small_target, tmp_path):
+    from specplug import heads
+    from specplug.proposers.eagle import EagleHead
+
+    module = EagleHead.for_target(small_target.model.config, seed=1)
+    heads.save_head(tmp_path / "e", "eagle", module.state_dict(), module.config, small_target, dtype=torch.float32)
+    floats = EagleProposer(small_target, head=tmp_path / "e", weights="float32")
+    int8 = EagleProposer(small_target, head=tmp_path / "e", weights="int8")
+    products = [*int8.lean_layer.products(), int8.fc]
+    assert all(p.int8 is not None and p.int8.weight.dtype == torch.int8 and p.weight is None for p in products)
+    # the loaded head's float linear weights are released: about a quarter of the float32 bytes remain
+    assert int8.memory_bytes() < 0.35 * floats.memory_bytes()
+    loaded = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"])
+    narrow = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="int8")
+    assert narrow.memory_bytes() < loaded.memory_bytes()  # int8 copies in place of float one-row copies
+
+
+def test_bad_weights_setting_names_the_proposer(small_vocab_dirs, small_target):
+    with pytest.raises(ValueError, match="eagle: weights must be one of"):
+        EagleProposer(small_target, head="random", weights="int4")
+    with pytest.raises(ValueError, match="draft-model: weights must be 'loaded' or 'int8'"):
+        DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="fp8")
+    with pytest.raises(ValueError, match="draft-model: weights='int8' needs the lean path"):
+        DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="int8", fast=False)
