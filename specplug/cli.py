@@ -142,8 +142,9 @@ def _numbers(text: str, kind=float) -> list:
               help="Proposer to compare (repeatable). Default: every registered proposer that attaches.")
 @click.option("--workload", "-w", "workload_specs", multiple=True, default=("humaneval",), show_default=True,
               help="humaneval, stdlib, repeated, or a JSONL file of {\"prompt\": ...} lines (repeatable).")
-@click.option("--prompts", "-n", "n_prompts", default=3, show_default=True, type=click.IntRange(min=1),
-              help="Prompts taken from each workload.")
+@click.option("--prompts", "-n", "n_prompts", default=None, type=click.IntRange(min=1),
+              help="Prompts taken from each workload. Default: 3; for the load bench, one per request (as many as "
+                   "--requests), since copies of a prompt decode alike and would move in step.")
 @click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1),
               help="Samples per prompt (repeated sampling; 'repeated' uses at least 5).")
 @click.option("--gammas", default="2,4,6", show_default=True, help="Comma-separated γ values.")
@@ -176,6 +177,10 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
         tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype, matmul_dtype=matmul_dtype)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"--target {target}: {exc}") from exc
+    if n_prompts is None:
+        # a load run's requests should be distinct: greedy copies of one prompt are one sequence decoded
+        # several times, so their acceptance dips together and a batch looks burstier than real traffic
+        n_prompts = 3 if not batch_sizes else -(-(requests or max(_numbers(batch_sizes, int))) // len(workload_specs))
     try:
         specs = [bench.ProposerSpec.parse(s) for s in proposer_specs] or bench.all_proposer_specs()
         workloads = [load(w, n_prompts, samples) for w in workload_specs]

@@ -301,11 +301,22 @@ def test_load_bench_reports_goodput_and_latency_per_batch_size(tiny_dirs, tiny_t
     recorded = [c for c in report["cells"] if c["policy"] == "recorder"]
     assert all(c["mean_gamma"] <= 1 for c in recorded)
     assert set(report["best"]) == {"1", "3"} and report["settings"]["requests"] == 4
+    assert all(c["paired_vs_best_static"] > 0 and c["paired_vs_target_only"] > 0 for c in recorded)
     from rich.console import Console
 
     console = Console(record=True, width=160)
     render(report, console)
-    assert "B=3" in console.export_text()
+    text = console.export_text()
+    assert "B=3" in text and "paired" in text
+
+
+def test_paired_ratio_compares_runs_of_the_same_repeat():
+    from specplug.bench.load import _paired
+
+    policy = [{"goodput": 90.0}, {"goodput": 40.0}, {"goodput": 100.0}]
+    static = [{"goodput": 100.0}, {"goodput": 50.0}, {"goodput": 80.0}]
+    # within-repeat ratios 0.9, 0.8, 1.25: median 0.9 (a ratio of the medians would say 90 / 80 = 1.125)
+    assert _paired(policy, static) == 0.9
 
 
 class BatchedOracle(NoisyOracle):

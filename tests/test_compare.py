@@ -67,3 +67,16 @@ def test_load_bench_reports_goodput_per_batch_size_with_policies(tiny_dirs, tmp_
     text = json.dumps(report)
     for label in ("heuristic", "cost-model", "cost-model warm"):
         assert label in text
+
+
+def test_load_bench_takes_one_prompt_per_request_unless_told(tiny_dirs):
+    def prompts_used(*extra):
+        result = CliRunner().invoke(main, [
+            "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "--gammas", "2", "--max-new-tokens", "4",
+            "--batch-sizes", "2", "--repeats", "1", "--requests", "5", "--json", *extra], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["settings"]["prompts"]
+
+    # copies of a prompt would decode alike and move in step, a burstier load than distinct requests
+    assert prompts_used() == 5
+    assert prompts_used("-n", "2") == 2

@@ -8,7 +8,9 @@ work, and goodput = tokens emitted by all requests / wall seconds of the run (pr
 each step's wall time shared among the tokens it emitted for that row (what a user of the row sees), pooled
 over the run's rows; a cell reports the median over repeats of each run's goodput, p50 and p99. Runs are
 interleaved (repeat → batch size → variant, variant order rotated each repeat) so machine drift hits all
-cells alike, and every cell gets its own fresh proposer per run, and whatever policy object its factory
+cells alike; a policy's cell also reports paired ratios — the median over repeats of its goodput over the
+best static γ's (and target-only's) in the same repeat — which cancel a slow spell that hits one repeat,
+where a ratio of medians does not, and every cell gets its own fresh proposer per run, and whatever policy object its factory
 returns (a fresh one per run, or one kept across runs as a server would keep it: the CLI shows both).
 
 Variants: ``target-only`` (γ = 0, the baseline), then for each proposer spec one variant per entry of
@@ -178,7 +180,20 @@ def _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new
         report["best"][str(B)] = {"variant": best and best["variant"],
                                   "best_static": best_static and best_static["variant"],
                                   "speculation_pays": bool(best and best["variant"] != "target-only")}
+        for c in at_b:
+            if c["policy"] is not None:  # the same repeat's runs of the two cells, side by side
+                for key, other in (("paired_vs_best_static", best_static), ("paired_vs_target_only", _by_label(at_b, "target-only"))):
+                    c[key] = other and _paired(runs[(c["variant"], B)], runs[(other["variant"], B)])
     return report
+
+
+def _by_label(cells: list[dict], label: str) -> dict | None:
+    return next((c for c in cells if c["variant"] == label), None)
+
+
+def _paired(runs: list[dict], others: list[dict]) -> float | None:
+    """Median over repeats of goodput / the other cell's goodput in the same repeat."""
+    return _median([r["goodput"] / o["goodput"] for r, o in zip(runs, others) if r["goodput"] and o["goodput"]])
 
 
 def render(report: dict, console=None) -> None:
@@ -210,6 +225,16 @@ def render(report: dict, console=None) -> None:
             cells.append(text)
         table.add_row(label, *cells)
     console.print(table)
+    policies = [label for label in labels if by[(label, sizes[0])]["policy"] is not None]
+    if policies:
+        paired = Table(title="policies against the best static γ at each B / against target-only, paired: median "
+                             "over repeats of the ratio within a repeat")
+        paired.add_column("variant")
+        for B in sizes:
+            paired.add_column(f"B={B}", justify="right")
+        for label in policies:
+            paired.add_row(label, *[_fmt_paired(by[(label, B)]) for B in sizes])
+        console.print(paired)
     lat = Table(title="per-token latency p50 / p99 (ms)")
     lat.add_column("variant")
     for B in sizes:
@@ -226,6 +251,11 @@ def render(report: dict, console=None) -> None:
         acc.add_row(label, *[_fmt_alpha(by[(label, B)]) for B in sizes])
     if labels[1:]:
         console.print(acc)
+
+
+def _fmt_paired(c) -> str:
+    pct = lambda r: "–" if r is None else f"{100 * (r - 1):+.1f}%"  # noqa: E731
+    return f"{pct(c.get('paired_vs_best_static'))} / {pct(c.get('paired_vs_target_only'))}"
 
 
 def _fmt_alpha(c) -> str:
