@@ -141,7 +141,7 @@ class EagleProposer(Proposer):
     def __init__(self, target=None, head: str | os.PathLike | EagleHead | None = None, seed: int = 0,
                  init_std: float = 0.02, prompt_features: bool = True,
                  vocab: int | Sequence[int] | str | None = None, weights: str | None = None,
-                 stop_below: float | str | None = None):
+                 stop_below: float | str | None = None, sampled_vocab: int | Sequence[int] | str | None = None):
         """``head``: a head directory, a ``zoo:`` head name, an :class:`EagleHead`, or ``"random"`` (a
         randomly initialised head, for tests; ``seed``/``init_std`` set it). Default: the head bundled for a
         zoo target or found beside a local target directory (``<target>-eagle``).
@@ -151,6 +151,11 @@ class EagleProposer(Proposer):
         ``frequent_tokens.json`` in the head's or the target's directory), or all (``"all"``); the LM head then
         projects onto those rows only (see :mod:`specplug.drafting_vocab`). None: the head's ``config.json``
         recommendation (``drafting.vocab``), else all.
+        ``sampled_vocab``: the same for sequences that sample (temperature > 0); None: the head's
+        recommendation (``drafting.sampled_vocab``), else as ``vocab``. Why two: under greedy decoding only the
+        target's argmax can be accepted, and it is nearly always a frequent token, while a sampled draft is
+        accepted with probability 1 - TV(p, q), so every bit of p's mass outside the subset is lost at every
+        position (zoo head, T = 1, γ = 6: 3.39 tokens per call over 2,048 tokens, 4.30 over all 8,192).
         ``weights``: how the head multiplies while drafting: ``"int8"`` (weight-only int8 copies of its
         products, see :mod:`specplug.int8_products`; a subset's LM-head rows too), ``"target"`` (in the
         target's product dtype, bf16 for the zoo target, as the head was trained) or ``"float32"``. None: the
@@ -182,17 +187,14 @@ class EagleProposer(Proposer):
             raise ValueError(f"eagle: head (hidden {module.config['hidden_size']}) does not fit target "
                              f"{target.name!r} (hidden {target.hidden_size}, vocab {target.vocab_size})")
         ranks, ranks_file = read_ranks(self.head_path, getattr(target, "path", None))
-        self.subset = vocab_subset(vocab if vocab is not None else recommended.get("vocab", "all"), ranks,
-                                   ranks_file, target.vocab_size, KIND)
+        vocab = vocab if vocab is not None else recommended.get("vocab", "all")
+        sampled_vocab = sampled_vocab if sampled_vocab is not None else recommended.get("sampled_vocab", vocab)
+        self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, KIND)
+        self.sampled_subset = vocab_subset(sampled_vocab, ranks, ranks_file, target.vocab_size, KIND)
         self.weights = _weights(weights if weights is not None else recommended.get("weights", "target"),
                                 target.device)
         self.stop_below = draft_stop.threshold(stop_below, recommended.get("stop_below"), KIND)
         self.vocab_size = target.vocab_size
-        self.sub_head = None
-        if self.subset is not None:  # the shared LM head's rows for the subset (a copy of N of its V rows)
-            self.subset = self.subset.to(target.device)
-            weight = target.lm_head.weight.detach()
-            self.sub_head = weight[self.subset].contiguous()
         self.head = module.to(device=target.device, dtype=target.dtype).eval()
         for p in self.head.parameters():
             p.requires_grad_(False)
@@ -204,8 +206,10 @@ class EagleProposer(Proposer):
         # drafting runs the head's layer through specplug.lean_llama: HF's per-call cost would dominate
         self.lean_layer = LeanLayer(self.head.layer, int8=int8)
         self.fc = Product(self.head.fc.weight, self.head.fc.bias, int8=int8)
-        if self.sub_head is not None:
-            self.sub_head = Product(self.sub_head, int8=int8)
+        self.greedy_projection = _Projection.build(self.subset, target, int8)
+        same = self.sampled_subset is None and self.subset is None or (
+            self.sampled_subset is not None and self.subset is not None and torch.equal(self.sampled_subset, self.subset))
+        self.sampled_projection = self.greedy_projection if same else _Projection.build(self.sampled_subset, target, int8)
         if int8 and not isinstance(head, EagleHead):
             # a head loaded here is ours: its float linear weights are no longer used, so let them go
             for m in self.head.modules():
@@ -255,7 +259,8 @@ class EagleProposer(Proposer):
             st = seq.scratch[self.name] = self._fresh(seq)
         if k <= 0 or not st.pending:
             return Proposal.empty(device)
-        emb, lm_head = self.target.embedding, self.target.lm_head
+        emb = self.target.embedding
+        projection = self.greedy_projection if seq.sampling.greedy else self.sampled_projection
         with torch.inference_mode():
             feats = torch.cat(st.pending).to(device=device, dtype=self.target.dtype)
             start = st.fed
@@ -264,11 +269,11 @@ class EagleProposer(Proposer):
             st.fed, st.pending = n - 1, []
             drafted, q_rows = [], []
             for j in range(k):
-                logits = lm_head(f_hat) if self.sub_head is None else self.sub_head(f_hat)
+                logits = projection.product(f_hat)
                 token, q = draw(logits, seq.sampling, seq.rng)
                 go_on = not self.stop_below or draft_stop.confidence(logits, token, q) >= self.stop_below
-                if self.sub_head is not None:  # q zero outside the subset: the token was drawn from exactly this
-                    token, q = int(self.subset[token]), full_q(q, self.subset, self.vocab_size)
+                if projection.subset is not None:  # q zero outside the subset: the token was drawn from exactly this
+                    token, q = projection.ids[token], full_q(q, projection.subset, self.vocab_size)
                 drafted.append(token)
                 if q is not None:
                     q_rows.append(q)
@@ -295,11 +300,34 @@ class EagleProposer(Proposer):
         seq.scratch.pop(self.name, None)
 
     def memory_bytes(self) -> int:
-        products = [*self.lean_layer.products(), self.fc] + ([] if self.sub_head is None else [self.sub_head])
-        # the sub-head's rows are a copy (bytes of its weight); the others' float weights are the head's own
-        sub = 0 if self.sub_head is None or self.sub_head.weight is None else \
-            self.sub_head.weight.numel() * self.sub_head.weight.element_size()
-        return sub + sum(p.nbytes() for p in products) + sum(p.numel() * p.element_size() for p in self.head.parameters())
+        products = [*self.lean_layer.products(), self.fc]
+        projections = {id(p): p for p in (self.greedy_projection, self.sampled_projection)}.values()
+        return (sum(p.nbytes() for p in products) + sum(p.nbytes() for p in projections)
+                + sum(p.numel() * p.element_size() for p in self.head.parameters()))
+
+
+@dataclass
+class _Projection:
+    """What turns a predicted feature into drafting logits: the LM head over a subset of the vocabulary (token
+    ids ``subset``, logits in its order) or over all of it (``subset`` None)."""
+    subset: torch.Tensor | None
+    ids: list[int] | None
+    product: object  # f [h] -> logits
+    copied: bool     # whether ``product`` holds its own weights (a subset's rows, an int8 copy)
+
+    @classmethod
+    def build(cls, subset: torch.Tensor | None, target, int8: bool) -> "_Projection":
+        weight = target.lm_head.weight.detach()
+        if subset is None:  # the whole LM head: shared by reference, or one int8 copy
+            return cls(None, None, Product(weight, int8=True), True) if int8 else cls(None, None, target.lm_head, False)
+        subset = subset.to(target.device)
+        return cls(subset, subset.tolist(), Product(weight[subset].contiguous(), int8=int8), True)
+
+    def nbytes(self) -> int:
+        if not self.copied:
+            return 0
+        product = self.product
+        return product.nbytes() if product.int8 is not None else product.weight.numel() * product.weight.element_size()
 
 
 _WEIGHTS = ("int8", "target", "float32")

@@ -70,6 +70,26 @@ def test_eagle_drafts_only_subset_tokens_and_its_q_is_zero_elsewhere(small_targe
     assert torch.allclose(proposal.q.sum(-1), torch.ones(4))
 
 
+def test_eagle_sampled_vocab_covers_sampling_and_vocab_greedy(small_target, tmp_path):
+    def proposal(proposer, sampling):
+        seq = specplug.SequenceState(ids=list(PROMPT), num_prompt=len(PROMPT), sampling=sampling,
+                                     rng=torch.Generator().manual_seed(0), target=small_target)
+        proposer.begin(seq)
+        return proposer.propose(seq, 4)
+
+    proposer = random_proposer("eagle", small_target, vocab=SUBSET, sampled_vocab="all")
+    outside = [i for i in range(small_target.vocab_size) if i not in SUBSET]
+    assert float(proposal(proposer, SETTINGS["temperature-1"]).q[:, outside].sum()) > 0  # the whole vocabulary
+    greedy = proposal(proposer, specplug.SamplingParams(temperature=0))
+    assert set(greedy.tokens.tolist()) <= set(SUBSET)
+    # the head's config may recommend both (the bundled head: 2,048 tokens greedy, all of them sampled)
+    module = EagleHead.for_target(small_target.model.config, seed=1)
+    heads.save_head(tmp_path / "e", "eagle", module.state_dict(), module.config, small_target,
+                    drafting={"vocab": SUBSET, "sampled_vocab": "all"})
+    loaded = EagleProposer(small_target, head=tmp_path / "e")
+    assert loaded.subset.tolist() == SUBSET and loaded.sampled_subset is None
+
+
 def test_eagle_vocab_errors_name_the_proposer(small_target):
     with pytest.raises(ValueError, match="eagle: vocab ids must be"):
         random_proposer("eagle", small_target, vocab=[small_target.vocab_size])
