@@ -18,9 +18,9 @@ from typing import Sequence
 import torch
 
 from specplug import draft_stop, int8_products, zoo
-from specplug.drafting_vocab import full_q, read_ranks, vocab_subset
+from specplug.drafting_vocab import Projection, read_ranks, sampled_or_greedy, vocab_subset
 from specplug.plugins.hookspecs import hookimpl
-from specplug.lean_llama import LeanCache, lean_or_reason
+from specplug.lean_llama import LeanCache, Product, lean_or_reason
 from specplug.sampling import draw, multinomial
 from specplug.target import KVState, Target, load_causal_lm, load_tokenizer
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
@@ -34,7 +34,7 @@ class DraftModelProposer(Proposer):
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                  trust_remote_code: bool = False, fast: bool = True,
                  vocab: int | Sequence[int] | str | None = None, stop_below: float | str | None = None,
-                 weights: str = "loaded"):
+                 weights: str | None = None, sampled_vocab: int | Sequence[int] | str | None = None):
         """``vocab``: draft only among these token ids (a list), or among the ``vocab`` most frequent ones (an
         int: the draft's directory or else the target's must hold ``frequent_tokens.json``, as the bundled
         target's does; ``specplug train token-ranks`` writes one), or over the whole vocabulary (``"all"``). None (the default) takes the
@@ -46,9 +46,14 @@ class DraftModelProposer(Proposer):
         takes that file's recommendation (``frequent_tokens.json``'s ``stop_below``), if any; 0
         turns it off.
 
+        ``sampled_vocab``: the drafting vocabulary for sequences that sample (as ``vocab``); None: the ranking
+        file's ``sampled_vocab`` recommendation, else as ``vocab`` (see
+        :func:`specplug.drafting_vocab.sampled_or_greedy`).
+
         ``weights``: ``"loaded"`` multiplies by the weights as loaded (``dtype``); ``"int8"`` by weight-only int8
-        copies of every product (see :mod:`specplug.int8_products`; needs the lean path, ``fast=True``)."""
-        if weights not in ("loaded", "int8"):
+        copies of every product (see :mod:`specplug.int8_products`; needs the lean path, ``fast=True``). None
+        (the default): int8 where the lean path runs and torch has the kernel for the device, else loaded."""
+        if weights is not None and weights not in ("loaded", "int8"):
             raise ValueError(f"draft-model: weights must be 'loaded' or 'int8', got {weights!r}")
         if target is None:
             raise TypeError("draft-model needs target= (the Target it drafts for)")
@@ -74,14 +79,12 @@ class DraftModelProposer(Proposer):
         self.lean, self.lean_note = lean_or_reason(lm, one_row_copies=True) if fast else (None, "fast=False")
         ranks, ranks_file = read_ranks(None if isinstance(model, torch.nn.Module) else model, target.path)
         self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, "draft-model")
+        self.sampled_subset = vocab_subset(sampled_or_greedy(sampled_vocab, (ranks or {}).get("sampled_vocab"), vocab),
+                                           ranks, ranks_file, target.vocab_size, "draft-model")
         self.stop_below = draft_stop.threshold(stop_below, (ranks or {}).get("stop_below"), "draft-model")
         self.vocab_size = target.vocab_size
-        if self.subset is not None:
-            self.subset = self.subset.to(device)
-            if self.lean is not None:  # the head computes only the subset's rows: a copy of N of its V rows
-                head = lm.get_output_embeddings()
-                self.lean.set_head(head.weight.detach()[self.subset].contiguous(),
-                                   None if head.bias is None else head.bias.detach()[self.subset].contiguous())
+        if weights is None:
+            weights = "int8" if self.lean is not None and int8_products.available(str(device)) else "loaded"
         self.weights = weights
         if weights == "int8":
             if self.lean is None:
@@ -90,7 +93,31 @@ class DraftModelProposer(Proposer):
             if not int8_products.available(str(device)):
                 raise ValueError(f"draft-model: weights='int8' needs torch's int8 kernel "
                                  f"(torch._weight_int8pack_mm), which this torch build does not run on {device}")
-            self.lean.to_int8()
+            self.lean.to_int8(head=False)  # the heads are the projections' below
+        same = (self.subset is None) == (self.sampled_subset is None) and (
+            self.subset is None or torch.equal(self.subset, self.sampled_subset))
+        self.greedy_projection = self._projection(self.subset, lm, device)
+        self.sampled_projection = self.greedy_projection if same else self._projection(self.sampled_subset, lm, device)
+        if self.lean is not None:
+            self.lean.head = self.greedy_projection.product  # the model's own head product is not used
+
+    def _projection(self, subset: torch.Tensor | None, lm: torch.nn.Module, device) -> Projection:
+        """The draft's LM head for drafting over ``subset`` (a copy of its rows: the head computes only those)
+        or over the whole vocabulary; on the lean path a product (one-row copy or int8 copy), else HF's logits
+        indexed by the subset."""
+        if subset is not None:
+            subset = subset.to(device)
+        if self.lean is None:
+            return Projection(subset, None)
+        head = lm.get_output_embeddings()
+        weight, bias = head.weight.detach(), head.bias
+        if subset is not None:
+            weight = weight[subset].contiguous()
+            bias = None if bias is None else bias.detach()[subset].contiguous()
+        int8 = self.weights == "int8"
+        product = Product(weight, bias, one_row_copy=not int8 and weight.dtype == torch.float32, int8=int8)
+        rows = 0 if int8 or subset is None else weight.numel() * weight.element_size()
+        return Projection(subset, product, product.nbytes() + rows)
 
     def _new_state(self) -> KVState | LeanCache:
         return self.lean.new_cache() if self.lean is not None else KVState()
@@ -101,22 +128,24 @@ class DraftModelProposer(Proposer):
             state = seq.scratch[self.name] = self._new_state()
         return state
 
-    def _next_logits(self, state: KVState | LeanCache, tokens: list[int]) -> torch.Tensor:
-        """Run ``tokens`` past the cached ones; the draft's logits [V] after the last of them."""
-        if self.lean is not None:
-            return self.lean.forward(state, tokens)  # over the subset already, when there is one
-        logits = self.draft.forward(state, tokens, logits_to_keep=1).logits[-1]
-        return logits if self.subset is None else logits[self.subset]
+    def _projection_for(self, seq: SequenceState) -> Projection:
+        return self.greedy_projection if seq.sampling.greedy else self.sampled_projection
 
-    def _draw(self, logits: torch.Tensor, seq: SequenceState) -> tuple[int, torch.Tensor | None, bool]:
+    def _next_logits(self, state: KVState | LeanCache, tokens: list[int], projection: Projection) -> torch.Tensor:
+        """Run ``tokens`` past the cached ones; the draft's logits after the last of them, over the projection's
+        vocabulary."""
+        if self.lean is not None:
+            return self.lean.forward(state, tokens, head=projection.product)
+        logits = self.draft.forward(state, tokens, logits_to_keep=1).logits[-1]
+        return logits if projection.subset is None else logits[projection.subset]
+
+    def _draw(self, logits: torch.Tensor, seq: SequenceState,
+              projection: Projection) -> tuple[int, torch.Tensor | None, bool]:
         """A token and its q over the whole vocabulary from logits over the drafting vocabulary, and whether
         drafting may go on after it (see ``stop_below``)."""
         token, q = draw(logits, seq.sampling, seq.rng, self._sample)
         go_on = not self.stop_below or draft_stop.confidence(logits, token, q) >= self.stop_below
-        if self.subset is None:
-            return token, q, go_on
-        # q zero outside the subset: the token was drawn from exactly this
-        return int(self.subset[token]), full_q(q, self.subset, self.vocab_size), go_on
+        return (*projection.token_and_q(token, q, self.vocab_size), go_on)
 
     def begin(self, seq: SequenceState) -> None:
         seq.scratch[self.name] = self._new_state()
@@ -128,18 +157,19 @@ class DraftModelProposer(Proposer):
         if k <= 0:
             return Proposal.empty(seq.target.device)
         state = self._state(seq)
+        projection = self._projection_for(seq)
         # the cache covers a prefix of seq.ids; feed what it lacks (the prompt at first, then 1-2 tokens)
-        logits = self._next_logits(state, seq.ids[state.length:])
+        logits = self._next_logits(state, seq.ids[state.length:], projection)
         tokens, q_rows = [], []
         for i in range(k):
-            token, q, go_on = self._draw(logits, seq)
+            token, q, go_on = self._draw(logits, seq, projection)
             tokens.append(token)
             if q is not None:
                 q_rows.append(q)
             if not go_on:
                 break
             if i + 1 < k:
-                logits = self._next_logits(state, [token])
+                logits = self._next_logits(state, [token], projection)
         device = seq.target.device
         return Proposal(torch.tensor(tokens, device=device), torch.stack(q_rows).to(device) if q_rows else None)
 
@@ -153,6 +183,9 @@ class DraftModelProposer(Proposer):
         ks = [min(k, limit - len(seq.ids)) if limit is not None else k for seq, k in zip(seqs, ks)]
         rows = [j for j, k in enumerate(ks) if k > 0]
         states = {j: self._state(seqs[j]) for j in rows}
+        # one head for the pass: greedy rows stay exact under the sampled one too (their argmax is their token)
+        greedy = all(seqs[j].sampling.greedy for j in rows)
+        projection = self.greedy_projection if greedy else self.sampled_projection
         for j in rows:  # a long backlog (a prompt) runs on its own first, down to the newest token
             backlog = seqs[j].ids[states[j].length:]
             if len(backlog) > 2:
@@ -163,18 +196,19 @@ class DraftModelProposer(Proposer):
         # where the whole draft was accepted (a last draft is never fed: see below)
         live, feed = rows, [seqs[j].ids[states[j].length:] for j in rows]
         while live:
-            logits = self.lean.forward_rows([states[j] for j in live], feed)
+            logits = self.lean.forward_rows([states[j] for j in live], feed, head=projection.product)
             stopped = set()
             if all(seqs[j].sampling.greedy for j in live):  # one argmax for all rows
                 best = logits.float().argmax(-1)
-                for j, token in zip(live, (best if self.subset is None else self.subset[best]).tolist()):
+                subset = projection.subset
+                for j, token in zip(live, (best if subset is None else subset[best]).tolist()):
                     tokens[j].append(token)
                 if self.stop_below:
                     top = torch.softmax(logits.float(), -1).amax(-1).tolist()
                     stopped = {j for j, p in zip(live, top) if p < self.stop_below}
             else:
                 for row, j in enumerate(live):
-                    token, q, go_on = self._draw(logits[row], seqs[j])
+                    token, q, go_on = self._draw(logits[row], seqs[j], projection)
                     tokens[j].append(token)
                     if q is not None:
                         q_rows[j].append(q)
@@ -209,8 +243,10 @@ class DraftModelProposer(Proposer):
         seq.scratch.pop(self.name, None)
 
     def memory_bytes(self) -> int:
-        extra = self.lean.extra_bytes() if self.lean is not None else 0
-        return extra + sum(p.numel() * p.element_size() for p in self.draft.model.parameters())
+        layers = 0 if self.lean is None else sum(p.nbytes() for layer in self.lean.layers for p in layer.products())
+        projections = {id(p): p for p in (self.greedy_projection, self.sampled_projection)}.values()
+        return (layers + sum(p.copied_bytes for p in projections)
+                + sum(p.numel() * p.element_size() for p in self.draft.model.parameters()))
 
 
 def _default_draft(target: Target):

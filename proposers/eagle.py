@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specplug import draft_stop, few_rows, heads, int8_products, zoo
-from specplug.drafting_vocab import full_q, read_ranks, vocab_subset
+from specplug.drafting_vocab import Projection, read_ranks, sampled_or_greedy, vocab_subset
 from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import draw
@@ -152,14 +152,14 @@ class EagleProposer(Proposer):
         projects onto those rows only (see :mod:`specplug.drafting_vocab`). None: the head's ``config.json``
         recommendation (``drafting.vocab``), else all.
         ``sampled_vocab``: the same for sequences that sample (temperature > 0); None: the head's
-        recommendation (``drafting.sampled_vocab``), else as ``vocab``. Why two: under greedy decoding only the
-        target's argmax can be accepted, and it is nearly always a frequent token, while a sampled draft is
-        accepted with probability 1 - TV(p, q), so every bit of p's mass outside the subset is lost at every
-        position (zoo head, T = 1, γ = 6: 3.39 tokens per call over 2,048 tokens, 4.30 over all 8,192).
+        recommendation (``drafting.sampled_vocab``), else as ``vocab`` (see
+        :func:`specplug.drafting_vocab.sampled_or_greedy`; zoo head, T = 1, γ = 6: 3.39 tokens per call over
+        2,048 tokens, 4.30 over all 8,192).
         ``weights``: how the head multiplies while drafting: ``"int8"`` (weight-only int8 copies of its
         products, see :mod:`specplug.int8_products`; a subset's LM-head rows too), ``"target"`` (in the
         target's product dtype, bf16 for the zoo target, as the head was trained) or ``"float32"``. None: the
-        head's ``config.json`` recommendation (``drafting.weights``), else ``"target"``.
+        head's ``config.json`` recommendation (``drafting.weights``), else int8 where torch has the kernel
+        for the device, else ``"target"``.
         ``stop_below``: end a draft after a token the head gives less than this probability (see
         :mod:`specplug.draft_stop`). None: the head's recommendation (``drafting.stop_below``), else off."""
         if target is None:
@@ -188,11 +188,12 @@ class EagleProposer(Proposer):
                              f"{target.name!r} (hidden {target.hidden_size}, vocab {target.vocab_size})")
         ranks, ranks_file = read_ranks(self.head_path, getattr(target, "path", None))
         vocab = vocab if vocab is not None else recommended.get("vocab", "all")
-        sampled_vocab = sampled_vocab if sampled_vocab is not None else recommended.get("sampled_vocab", vocab)
+        sampled_vocab = sampled_or_greedy(sampled_vocab, recommended.get("sampled_vocab"), vocab)
         self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, KIND)
         self.sampled_subset = vocab_subset(sampled_vocab, ranks, ranks_file, target.vocab_size, KIND)
-        self.weights = _weights(weights if weights is not None else recommended.get("weights", "target"),
-                                target.device)
+        if weights is None:
+            weights = recommended.get("weights") or ("int8" if int8_products.available(str(target.device)) else "target")
+        self.weights = _weights(weights, target.device)
         self.stop_below = draft_stop.threshold(stop_below, recommended.get("stop_below"), KIND)
         self.vocab_size = target.vocab_size
         self.head = module.to(device=target.device, dtype=target.dtype).eval()
@@ -206,10 +207,10 @@ class EagleProposer(Proposer):
         # drafting runs the head's layer through specplug.lean_llama: HF's per-call cost would dominate
         self.lean_layer = LeanLayer(self.head.layer, int8=int8)
         self.fc = Product(self.head.fc.weight, self.head.fc.bias, int8=int8)
-        self.greedy_projection = _Projection.build(self.subset, target, int8)
+        self.greedy_projection = _projection(self.subset, target, int8)
         same = self.sampled_subset is None and self.subset is None or (
             self.sampled_subset is not None and self.subset is not None and torch.equal(self.sampled_subset, self.subset))
-        self.sampled_projection = self.greedy_projection if same else _Projection.build(self.sampled_subset, target, int8)
+        self.sampled_projection = self.greedy_projection if same else _projection(self.sampled_subset, target, int8)
         if int8 and not isinstance(head, EagleHead):
             # a head loaded here is ours: its float linear weights are no longer used, so let them go
             for m in self.head.modules():
@@ -272,8 +273,7 @@ class EagleProposer(Proposer):
                 logits = projection.product(f_hat)
                 token, q = draw(logits, seq.sampling, seq.rng)
                 go_on = not self.stop_below or draft_stop.confidence(logits, token, q) >= self.stop_below
-                if projection.subset is not None:  # q zero outside the subset: the token was drawn from exactly this
-                    token, q = projection.ids[token], full_q(q, projection.subset, self.vocab_size)
+                token, q = projection.token_and_q(token, q, self.vocab_size)
                 drafted.append(token)
                 if q is not None:
                     q_rows.append(q)
@@ -302,32 +302,21 @@ class EagleProposer(Proposer):
     def memory_bytes(self) -> int:
         products = [*self.lean_layer.products(), self.fc]
         projections = {id(p): p for p in (self.greedy_projection, self.sampled_projection)}.values()
-        return (sum(p.nbytes() for p in products) + sum(p.nbytes() for p in projections)
+        return (sum(p.nbytes() for p in products) + sum(p.copied_bytes for p in projections)
                 + sum(p.numel() * p.element_size() for p in self.head.parameters()))
 
 
-@dataclass
-class _Projection:
-    """What turns a predicted feature into drafting logits: the LM head over a subset of the vocabulary (token
-    ids ``subset``, logits in its order) or over all of it (``subset`` None)."""
-    subset: torch.Tensor | None
-    ids: list[int] | None
-    product: object  # f [h] -> logits
-    copied: bool     # whether ``product`` holds its own weights (a subset's rows, an int8 copy)
-
-    @classmethod
-    def build(cls, subset: torch.Tensor | None, target, int8: bool) -> "_Projection":
-        weight = target.lm_head.weight.detach()
-        if subset is None:  # the whole LM head: shared by reference, or one int8 copy
-            return cls(None, None, Product(weight, int8=True), True) if int8 else cls(None, None, target.lm_head, False)
+def _projection(subset: torch.Tensor | None, target, int8: bool) -> Projection:
+    """The target's LM head for drafting: over a subset (a copy of its rows), or all of it (shared by reference,
+    or one int8 copy)."""
+    weight = target.lm_head.weight.detach()
+    if subset is None and not int8:
+        return Projection(None, target.lm_head)
+    if subset is not None:
         subset = subset.to(target.device)
-        return cls(subset, subset.tolist(), Product(weight[subset].contiguous(), int8=int8), True)
-
-    def nbytes(self) -> int:
-        if not self.copied:
-            return 0
-        product = self.product
-        return product.nbytes() if product.int8 is not None else product.weight.numel() * product.weight.element_size()
+        weight = weight[subset].contiguous()
+    product = Product(weight, int8=int8)
+    return Projection(subset, product, product.nbytes() if int8 else weight.numel() * weight.element_size())
 
 
 _WEIGHTS = ("int8", "target", "float32")

@@ -65,3 +65,29 @@ def full_q(q: torch.Tensor | None, subset: torch.Tensor | None, vocab_size: int)
     if q is None or subset is None:
         return q
     return q.new_zeros(vocab_size).index_copy_(0, subset, q)
+
+
+def sampled_or_greedy(sampled_vocab, recommended, vocab):
+    """The vocabulary for sequences that sample: ``sampled_vocab`` if given, else a recommendation, else the
+    greedy one (``vocab``). Why two: under greedy decoding only the target's argmax can be accepted, and it is
+    nearly always a frequent token, while a sampled draft is accepted with probability 1 - TV(p, q), so p's
+    mass outside the subset is lost at every position."""
+    if sampled_vocab is not None:
+        return sampled_vocab
+    return recommended if recommended is not None else vocab
+
+
+class Projection:
+    """How a drafter turns its last hidden state into drafting logits: ``product`` maps h [.., H] to logits
+    over ``subset`` (sorted token ids, logits in their order) or over the whole vocabulary (``subset`` None);
+    :meth:`token_and_q` maps a draw back to a token id and a q over the whole vocabulary. ``copied_bytes``:
+    memory the product holds beyond the model's own weights (a subset's rows, an int8 copy)."""
+
+    def __init__(self, subset: torch.Tensor | None, product, copied_bytes: int = 0):
+        self.subset, self.product, self.copied_bytes = subset, product, copied_bytes
+        self.ids = None if subset is None else subset.tolist()  # index -> id without a tensor op per token
+
+    def token_and_q(self, index: int, q: torch.Tensor | None, vocab_size: int) -> tuple[int, torch.Tensor | None]:
+        if self.subset is None:
+            return index, q
+        return self.ids[index], full_q(q, self.subset, vocab_size)  # q zero outside the subset

@@ -275,14 +275,15 @@ class LeanLlama:
         """Replace the LM head's product, e.g. by a drafter's rows for a subset of the vocabulary."""
         self.head = Product(weight, bias, one_row_copy=self.one_row_copies and weight.dtype == torch.float32)
 
-    def to_int8(self) -> None:
-        """Multiply by int8 copies of every product, the head's too (drafters only: see
+    def to_int8(self, head: bool = True) -> None:
+        """Multiply by int8 copies of every product, the head's too unless ``head=False`` (drafters only: see
         :mod:`specplug.int8_products`). Called after the probe that checked this path against HF's forward."""
         for layer in self.layers:
             for name in ("qkv", "gate_up", "o", "down"):
                 product = getattr(layer, name)
                 setattr(layer, name, Product(product.weight, product.bias, int8=True))
-        self.head = Product(self.head.weight, self.head.bias, int8=True)
+        if head:
+            self.head = Product(self.head.weight, self.head.bias, int8=True)
 
     def extra_bytes(self) -> int:
         """Memory beyond the model's own parameters: the one-row or int8 copies, and a replaced head's rows."""
@@ -295,13 +296,15 @@ class LeanLlama:
     def new_cache(self) -> LeanCache:
         return LeanCache([layer.new_cache() for layer in self.layers])
 
-    def forward(self, cache: LeanCache, tokens: list[int] | torch.Tensor, last_only: bool = True) -> torch.Tensor:
-        """Logits of the last token [V] (or of all, [T, V]) after running ``tokens`` past the cached ones."""
-        logits, _ = self.run(cache, tokens, keep=1 if last_only else 0)
+    def forward(self, cache: LeanCache, tokens: list[int] | torch.Tensor, last_only: bool = True,
+                head=None) -> torch.Tensor:
+        """Logits of the last token [V] (or of all, [T, V]) after running ``tokens`` past the cached ones;
+        ``head``: another product in place of the LM head (e.g. a drafter's rows for a subset)."""
+        logits, _ = self.run(cache, tokens, keep=1 if last_only else 0, head=head)
         return logits[-1] if last_only else logits
 
     def run(self, cache: LeanCache, tokens: list[int] | torch.Tensor, keep: int = 0,
-            hidden: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+            hidden: tuple[int, ...] = (), head=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Logits [keep or T, V] of the last ``keep`` tokens (all when 0) and the hidden states [T, h] numbered
         as HF's ``hidden_states``: 0 is the embeddings, i the output of layer i, the last one final-normed."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
@@ -317,11 +320,11 @@ class LeanLlama:
             x = self.norm(x)
             if top in hidden:
                 states[top] = x
-            return self.head(x[-keep:] if keep else x), states
+            return (head or self.head)(x[-keep:] if keep else x), states
 
-    def forward_rows(self, caches: list[LeanCache], tokens: Sequence[int | Sequence[int]]) -> torch.Tensor:
+    def forward_rows(self, caches: list[LeanCache], tokens: Sequence[int | Sequence[int]], head=None) -> torch.Tensor:
         """A token (or a few: a list) after each of B sequences' cached ones, in one pass: logits [B, V] after
-        each sequence's last token."""
+        each sequence's last token (``head`` as for :meth:`forward`)."""
         per_row = [[t] if isinstance(t, int) else list(t) for t in tokens]
         counts = [len(r) for r in per_row]
         ids = torch.as_tensor([t for r in per_row for t in r], dtype=torch.long, device=self.device)
@@ -334,7 +337,7 @@ class LeanLlama:
             x = F.embedding(ids, self.embedding)
             for i, layer in enumerate(self.layers):
                 x = layer.rows(x, cos, sin, [cache.layers[i] for cache in caches], counts)
-            return self.head(self.norm(x[last]))
+            return (head or self.head)(self.norm(x[last]))
 
 
 def lean_or_reason(model: torch.nn.Module, one_row_copies: bool = False) -> tuple[LeanLlama | None, str]:

@@ -52,6 +52,44 @@ def test_subset_draft_sampling_matches_target_distribution(sampling, small_vocab
     assert chi_square_pvalue(counts, expected) > EXACTNESS_ALPHA
 
 
+@pytest.mark.parametrize("weights", ["loaded", "int8"])
+def test_sampled_vocab_serves_sampling_rows_and_vocab_greedy_ones_single_and_batched(tiny_dirs, tiny_target, weights):
+    subset = list(range(0, tiny_target.vocab_size, 3))
+    proposer = DraftModelProposer(target=tiny_target, model=tiny_dirs["draft"], vocab=subset, sampled_vocab="all",
+                                  weights=weights)
+    outside = [i for i in range(tiny_target.vocab_size) if i not in subset]
+    ids = tiny_target.encode("def add(a, b):")
+
+    def seq(temperature, seed):
+        return SequenceState(ids=list(ids), num_prompt=len(ids), target=tiny_target, rng=torch.Generator().manual_seed(seed),
+                             sampling=specplug.SamplingParams(temperature=temperature))
+
+    sampled, greedy = seq(1.0, 1), seq(0.0, 2)
+    for s in (sampled, greedy):
+        proposer.begin(s)
+    assert float(proposer.propose(sampled, 4).q[:, outside].sum()) > 0  # drawn from the whole vocabulary
+    assert set(proposer.propose(greedy, 4).tokens.tolist()) <= set(subset)
+    # a batch of greedy rows drafts over the subset; a mixed one over the sampled vocabulary for all its rows
+    rows = [seq(0.0, 3), seq(0.0, 4)]
+    for s in rows:
+        proposer.begin(s)
+    assert all(set(p.tokens.tolist()) <= set(subset) for p in proposer.propose_batch(rows, [4, 4]))
+    mixed = [seq(1.0, 5), seq(0.0, 6)]
+    for s in mixed:
+        proposer.begin(s)
+    first, second = proposer.propose_batch(mixed, [4, 4])
+    assert float(first.q[:, outside].sum()) > 0 and second.q is None
+
+
+def test_draft_with_a_sampled_vocab_is_exact(small_vocab_dirs, small_target):
+    sampling = specplug.SamplingParams(temperature=1.0)
+    proposer = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], vocab=[0, 2, 3],
+                                  sampled_vocab=[1, 2, 4, 5])
+    expected = exact_distribution(small_target, [1, 2, 3, 4, 5, 0, 1, 2], 3, sampling)
+    counts = sampled_distribution(small_target, proposer, [1, 2, 3, 4, 5, 0, 1, 2], 3, sampling, 1500)
+    assert chi_square_pvalue(counts, expected) > EXACTNESS_ALPHA
+
+
 def test_vocab_count_reads_the_ranks_file_in_the_draft_directory(tiny_dirs, tiny_target, tmp_path):
     draft = tmp_path / "draft"
     shutil.copytree(tiny_dirs["draft"], draft)
@@ -65,6 +103,9 @@ def test_vocab_count_reads_the_ranks_file_in_the_draft_directory(tiny_dirs, tiny
     (draft / FREQUENT_TOKENS).write_text(json.dumps({"tokens": ranked, "default_vocab": 5}))
     assert DraftModelProposer(target=tiny_target, model=draft).subset.tolist() == sorted(ranked[:5])
     assert DraftModelProposer(target=tiny_target, model=draft, vocab="all").subset is None
+    assert DraftModelProposer(target=tiny_target, model=draft).sampled_subset.tolist() == sorted(ranked[:5])
+    (draft / FREQUENT_TOKENS).write_text(json.dumps({"tokens": ranked, "default_vocab": 5, "sampled_vocab": "all"}))
+    assert DraftModelProposer(target=tiny_target, model=draft).sampled_subset is None  # the recommendation
     with pytest.raises(ValueError, match="outside 1.."):
         DraftModelProposer(target=tiny_target, model=draft, vocab=0)
     with pytest.raises(ValueError, match="within"):

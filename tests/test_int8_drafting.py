@@ -84,9 +84,16 @@ def test_int8_drafters_hold_int8_copies_instead_of_float_weights(small_vocab_dir
     assert all(p.int8 is not None and p.int8.weight.dtype == torch.int8 and p.weight is None for p in products)
     # the loaded head's float linear weights are released: about a quarter of the float32 bytes remain
     assert int8.memory_bytes() < 0.35 * floats.memory_bytes()
-    loaded = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"])
+    loaded = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="loaded")
     narrow = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="int8")
     assert narrow.memory_bytes() < loaded.memory_bytes()  # int8 copies in place of float one-row copies
+
+
+def test_int8_is_the_default_where_the_kernel_runs(small_vocab_dirs, small_target):
+    assert EagleProposer(small_target, head="random").weights == "int8"
+    assert DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"]).weights == "int8"
+    # HF's forward (no lean path) multiplies by the weights as loaded
+    assert DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], fast=False).weights == "loaded"
 
 
 def test_bad_weights_setting_names_the_proposer(small_vocab_dirs, small_target):

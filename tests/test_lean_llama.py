@@ -118,7 +118,8 @@ def test_non_llama_target_keeps_hf_forward_and_says_why():
 
 
 def test_draft_model_uses_lean_path_and_decodes_as_the_hf_path(tiny_dirs, tiny_target):
-    fast = DraftModelProposer(target=tiny_target, model=tiny_dirs["draft"])
+    # weights as loaded: the same arithmetic both ways, so the same draws (int8 copies would draft otherwise)
+    fast = DraftModelProposer(target=tiny_target, model=tiny_dirs["draft"], weights="loaded")
     slow = DraftModelProposer(target=tiny_target, model=tiny_dirs["draft"], fast=False)
     assert fast.lean is not None and slow.lean is None and slow.lean_note == "fast=False"
     for sampling in (specplug.GREEDY, specplug.SamplingParams(temperature=1.0, seed=11)):

@@ -19,7 +19,7 @@ The bundled weights were made with (W = a work dir outside the repo):
     specplug train report --target specplug/models/pycode --draft specplug/models/pycode-draft \
         --tokenizer W/tokenizer
     specplug train token-ranks --tokenizer specplug/models/pycode --default-vocab 2048 \
-        --out specplug/models/pycode/frequent_tokens.json
+        --sampled-vocab all --out specplug/models/pycode/frequent_tokens.json
 
 (`python -m specplug.training.cli ...` is the same group.)  The bundled target's run had
 its --steps lowered mid-run (2000 -> 1500 -> 1400 -> 1050 -> 900, at steps 20/89/734/751/763,
@@ -150,8 +150,12 @@ def export_cmd(work_dir, tokenizer_dir, out, dtype):
               help="e.g. specplug/models/pycode/frequent_tokens.json")
 @click.option("--default-vocab", type=int, default=None,
               help="the subset draft-model uses when vocab= is not given (pick it with specplug compare)")
-def token_ranks_cmd(tokenizer_dir, out, default_vocab):
+@click.option("--sampled-vocab", default=None,
+              help="the same for sequences that sample (sampled_vocab=): a count or 'all'")
+def token_ranks_cmd(tokenizer_dir, out, default_vocab, sampled_vocab):
     """Rank the vocabulary by frequency in the train split (draft-model's vocab= reads the top of it)."""
+    if sampled_vocab not in (None, "all") and not sampled_vocab.isdigit():
+        raise click.BadParameter(f"{sampled_vocab!r} is neither a token count nor 'all'", param_hint="--sampled-vocab")
     import torch
 
     from .data import token_stream
@@ -166,6 +170,7 @@ def token_ranks_cmd(tokenizer_dir, out, default_vocab):
         "corpus_tokens": total,
         "coverage": {str(n): round(float(covered[n - 1]), 4) for n in (512, 1024, 2048, 4096) if n <= len(ranked)},
         **({"default_vocab": default_vocab} if default_vocab else {}),
+        **({"sampled_vocab": sampled_vocab if sampled_vocab == "all" else int(sampled_vocab)} if sampled_vocab else {}),
         "tokens": ranked}, separators=(",", ":")) + "\n")
     click.echo(f"{len(ranked)} tokens ranked over {total} -> {out}; coverage of the top 1024/2048/4096: "
                + ", ".join(f"{float(covered[n - 1]):.3f}" for n in (1024, 2048, 4096) if n <= len(ranked)))
