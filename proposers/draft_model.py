@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from specplug import draft_stop, int8_products, zoo
-from specplug.drafting_vocab import Projection, read_ranks, sampled_or_greedy, vocab_subset
+from specplug.drafting_vocab import Projection, read_ranks, same_subset, sampled_or_greedy, vocab_subset
 from specplug.plugins.hookspecs import hookimpl
 from specplug.lean_llama import LeanCache, Product, lean_or_reason
 from specplug.sampling import draw, multinomial
@@ -94,10 +94,9 @@ class DraftModelProposer(Proposer):
                 raise ValueError(f"draft-model: weights='int8' needs torch's int8 kernel "
                                  f"(torch._weight_int8pack_mm), which this torch build does not run on {device}")
             self.lean.to_int8(head=False)  # the heads are the projections' below
-        same = (self.subset is None) == (self.sampled_subset is None) and (
-            self.subset is None or torch.equal(self.subset, self.sampled_subset))
         self.greedy_projection = self._projection(self.subset, lm, device)
-        self.sampled_projection = self.greedy_projection if same else self._projection(self.sampled_subset, lm, device)
+        self.sampled_projection = (self.greedy_projection if same_subset(self.subset, self.sampled_subset)
+                                   else self._projection(self.sampled_subset, lm, device))
         if self.lean is not None:
             self.lean.head = self.greedy_projection.product  # the model's own head product is not used
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specplug import draft_stop, few_rows, heads, int8_products, zoo
-from specplug.drafting_vocab import Projection, read_ranks, sampled_or_greedy, vocab_subset
+from specplug.drafting_vocab import Projection, read_ranks, same_subset, sampled_or_greedy, vocab_subset
 from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import draw
@@ -208,9 +208,8 @@ class EagleProposer(Proposer):
         self.lean_layer = LeanLayer(self.head.layer, int8=int8)
         self.fc = Product(self.head.fc.weight, self.head.fc.bias, int8=int8)
         self.greedy_projection = _projection(self.subset, target, int8)
-        same = self.sampled_subset is None and self.subset is None or (
-            self.sampled_subset is not None and self.subset is not None and torch.equal(self.sampled_subset, self.subset))
-        self.sampled_projection = self.greedy_projection if same else _projection(self.sampled_subset, target, int8)
+        self.sampled_projection = (self.greedy_projection if same_subset(self.subset, self.sampled_subset)
+                                   else _projection(self.sampled_subset, target, int8))
         if int8 and not isinstance(head, EagleHead):
             # a head loaded here is ours: its float linear weights are no longer used, so let them go
             for m in self.head.modules():

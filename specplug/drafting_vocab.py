@@ -77,6 +77,11 @@ def sampled_or_greedy(sampled_vocab, recommended, vocab):
     return recommended if recommended is not None else vocab
 
 
+def same_subset(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether two drafting vocabularies (None: all) are the same, so one projection can serve both."""
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
 class Projection:
     """How a drafter turns its last hidden state into drafting logits: ``product`` maps h [.., H] to logits
     over ``subset`` (sorted token ids, logits in their order) or over the whole vocabulary (``subset`` None);
