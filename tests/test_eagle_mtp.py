@@ -174,7 +174,7 @@ def test_a_head_fits_its_target_in_any_load_dtype(small_vocab_dirs, small_target
     heads.save_head(tmp_path / "e", "eagle", module.state_dict(), module.config, small_target)
     for dtype in (torch.float16, torch.bfloat16):
         other = specplug.Target.from_pretrained(small_vocab_dirs["target"], dtype=dtype)
-        assert EagleProposer(other, head=tmp_path / "e").head.fc.weight.dtype == dtype
+        assert EagleProposer(other, head=tmp_path / "e", weights="target").head.fc.weight.dtype == dtype
 
 
 def test_saved_head_drafts_like_the_module(small_target, tmp_path):
