@@ -145,8 +145,9 @@ class EagleProposer(Proposer):
         """``head``: a head directory, a ``zoo:`` head name, an :class:`EagleHead`, or ``"random"`` (a
         randomly initialised head, for tests; ``seed``/``init_std`` set it). Default: the head bundled for a
         zoo target or found beside a local target directory (``<target>-eagle``).
-        ``prompt_features``: compute the prompt's features with one extra target forward in ``begin`` (the
-        decode loop prefills without features); False starts drafting from the first verified step.
+        ``prompt_features``: start from the prompt's features in ``begin``: those the decode loop's prefill
+        hands over (``seq.prompt_features``), else one extra target forward; False starts drafting from the
+        first verified step.
         ``vocab``: draft only among these token ids (a list), the ``vocab`` most frequent ones (an int; needs
         ``frequent_tokens.json`` in the head's or the target's directory), or all (``"all"``); the LM head then
         projects onto those rows only (see :mod:`specplug.drafting_vocab`). None: the head's ``config.json``
@@ -227,7 +228,8 @@ class EagleProposer(Proposer):
 
     def _fresh(self, seq: SequenceState, full: bool = True) -> _State:
         """Restart from the verified sequence: queue the target's features of every position but the newest
-        (one extra target forward), or, with ``full=False``, wait for the features the loop delivers."""
+        (the prefill's, else one extra target forward), or, with ``full=False``, wait for the features the
+        loop delivers."""
         if seq.target.model is not self.target.model:
             raise ValueError(f"eagle: this proposer was built for target {self.target.name!r}, "
                              f"not {seq.target.name!r}")

@@ -1,17 +1,18 @@
 """The load bench: goodput and per-token latency against batch size, for target-only decoding, fixed γ and γ
 policies per proposer, all through the batched decoder (:func:`specplug.batch.generate_batch`).
 
-Every run serves the same load: ``requests`` requests (default: the largest batch size; prompts cycled, seeds
-per request), ``max_new_tokens`` each, with at most B decoded together; as a request finishes the next one
+Every run serves the same load: ``requests`` requests (default: the largest batch size; prompts cycled if
+fewer, seeds per request), ``max_new_tokens`` each, with at most B decoded together; as a request finishes the next one
 joins (continuous batching, ``generate_batch(..., max_batch_size=B)``). So every batch size does the same
 work, and goodput = tokens emitted by all requests / wall seconds of the run (prefills included). Per-token latency is
 each step's wall time shared among the tokens it emitted for that row (what a user of the row sees), pooled
 over the run's rows; a cell reports the median over repeats of each run's goodput, p50 and p99. Runs are
 interleaved (repeat → batch size → variant, variant order rotated each repeat) so machine drift hits all
-cells alike; a policy's cell also reports paired ratios — the median over repeats of its goodput over the
-best static γ's (and target-only's) in the same repeat — which cancel a slow spell that hits one repeat,
-where a ratio of medians does not, and every cell gets its own fresh proposer per run, and whatever policy object its factory
-returns (a fresh one per run, or one kept across runs as a server would keep it: the CLI shows both).
+cells alike. Every cell gets its own fresh proposer per run, and whatever policy object its factory returns
+(a fresh one per run, or one kept across runs as a server would keep it: the CLI shows both). A policy's
+cell also reports paired ratios, the median over repeats of its goodput over the best static γ's (and
+target-only's) in the same repeat: they cancel a slow spell that hits one repeat, which a ratio of medians
+does not.
 
 Variants: ``target-only`` (γ = 0, the baseline), then for each proposer spec one variant per entry of
 ``gammas`` (an int γ) and one per entry of ``policies`` (label → factory returning a fresh policy object with
