@@ -248,10 +248,11 @@ class EagleProposer(Proposer):
         seq.scratch[self.name] = self._fresh(seq, full=self.prompt_features)
 
     def _step(self, features: torch.Tensor, embeds: torch.Tensor, start: int, cache: LayerCache) -> torch.Tensor:
-        """The head's forward for one sequence: features, embeds [T, h] at positions start.. -> f^ [T, h]."""
+        """The head's forward for one sequence: features, embeds [T, h] at positions start.. -> f^ [h] of the
+        last (the others only add their keys and values to the cache)."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos, sin = self.rope.get(start, x.shape[0])
-        return self.lean_layer(x, cos, sin, cache)
+        return self.lean_layer(x, cos, sin, cache, keep=1)[-1]
 
     def propose(self, seq: SequenceState, k: int) -> Proposal:
         device = seq.target.device
@@ -267,7 +268,7 @@ class EagleProposer(Proposer):
             feats = torch.cat(st.pending).to(device=device, dtype=self.target.dtype)
             start = st.fed
             tokens = torch.tensor(seq.ids[start + 1: n], device=device)
-            f_hat = self._step(feats, emb(tokens), start, st.cache)[-1]
+            f_hat = self._step(feats, emb(tokens), start, st.cache)
             st.fed, st.pending = n - 1, []
             drafted, q_rows = [], []
             for j in range(k):
@@ -282,7 +283,7 @@ class EagleProposer(Proposer):
                     break
                 if j + 1 < k:
                     tok = torch.tensor([token], device=device)
-                    f_hat = self._step(f_hat[None], emb(tok), n - 1 + j, st.cache)[-1]
+                    f_hat = self._step(f_hat[None], emb(tok), n - 1 + j, st.cache)
             st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
         return Proposal(torch.tensor(drafted, device=device), torch.stack(q_rows) if q_rows else None)
 

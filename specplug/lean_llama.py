@@ -188,11 +188,19 @@ class LeanLayer:
         gate, up = self.gate_up(self.norm_post(x)).split(self.inter, -1)
         return x + self.down(self.act(gate) * up)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """x [T, h]: T new positions after ``cache.length`` cached ones; cos/sin [T, head_dim] of their positions."""
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
+                 keep: int = 0) -> torch.Tensor:
+        """x [T, h]: T new positions after ``cache.length`` cached ones; cos/sin [T, head_dim] of their positions.
+        Returns the outputs [T, h], or only the last ``keep`` rows' (0: all).
+
+        Why ``keep``: every row's keys and values go into the cache, but a row's attention and MLP only feed
+        its own output; a last layer whose caller reads one row (a drafter catching up on accepted tokens, a
+        prefill) skips them for the others."""
         T, start = x.shape[0], cache.length
         q, k, v = self._qkv(x, cos, sin)
         keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))
+        if 0 < keep < T:
+            x, q, start, T = x[-keep:], q[-keep:], start + T - keep, keep
         if T <= SMALL_ATTENTION:
             # Query i makes the very call a one-token step at start + i makes, on the same keys, so a verified
             # position's logits are bit-identical to target-only decoding's wherever the products are
@@ -200,7 +208,8 @@ class LeanLayer:
             # bf16 products such last-bit differences grow until a greedy near-tie flips.
             out = torch.stack(self._attend_each(q * self.scaling, keys, values, start))
         else:  # a prefill: query i sits at start + i and may see keys 0..start + i
-            mask = torch.arange(start + T, device=x.device)[None] <= torch.arange(start, start + T, device=x.device)[:, None]
+            mask = (torch.arange(keys.shape[1], device=x.device)[None]
+                    <= torch.arange(start, start + T, device=x.device)[:, None])
             out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scaling,
                                                  enable_gqa=self.heads != self.kv_heads).transpose(0, 1)
         return self._finish(x, out.reshape(T, -1))
@@ -313,10 +322,12 @@ class LeanLlama:
         with torch.inference_mode():
             x = F.embedding(ids, self.embedding)
             cos, sin = self.rope.get(cache.length, ids.shape[0])
+            # the last layer runs attention and MLP for the kept rows only, unless the final state is wanted
+            last_keep = 0 if top in hidden else keep
             for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
                 if i in hidden:
                     states[i] = x
-                x = layer(x, cos, sin, layer_cache)
+                x = layer(x, cos, sin, layer_cache, keep=last_keep if i == top - 1 else 0)
             x = self.norm(x)
             if top in hidden:
                 states[top] = x

@@ -28,6 +28,29 @@ def test_lean_forward_matches_hf_through_steps_and_rollbacks(tiny_dirs):
     assert cache.length > 256
 
 
+def test_rows_whose_output_is_not_read_still_fill_the_cache_as_a_full_pass_does(tiny_dirs):
+    """``keep``: the last layer runs attention and MLP for the rows whose logits are read; every row's keys and
+    values still enter each layer's cache, so what follows decodes as after a full pass."""
+    draft = specplug.Target.from_pretrained(tiny_dirs["target"], lean=False)
+    lean, why = lean_or_reason(draft.model)
+    assert lean is not None, why
+    gen = torch.Generator().manual_seed(5)
+    full, kept = lean.new_cache(), lean.new_cache()
+    for n in (30, 5, 1, 3):  # a fused-attention prefill (> SMALL_ATTENTION rows), then short runs
+        chunk = torch.randint(0, draft.vocab_size, (n,), generator=gen).tolist()
+        want, _ = lean.run(full, chunk)
+        got, _ = lean.run(kept, chunk, keep=1)
+        assert got.shape[0] == 1
+        torch.testing.assert_close(got[-1], want[-1], atol=1e-5, rtol=1e-5)
+        for a, b in zip(full.layers, kept.layers):
+            assert a.length == b.length
+            torch.testing.assert_close(a.k[:, :a.length], b.k[:, :b.length], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.v[:, :a.length], b.v[:, :b.length], atol=1e-5, rtol=1e-5)
+    # asking for the final hidden state of every row keeps the last layer whole
+    logits, states = lean.run(kept, [1, 2, 3], keep=1, hidden=(len(lean.layers),))
+    assert states[len(lean.layers)].shape[0] == 3 and logits.shape[0] == 1
+
+
 def test_one_row_copies_change_only_the_layout_of_products(tiny_dirs):
     """A drafter's column-major one-row copies: the same logits (to float rounding) through steps and
     several-row passes, used for one-row inputs only, and counted as the memory they take."""
