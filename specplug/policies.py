@@ -7,6 +7,8 @@ from online estimates of α and of the drafting and verification costs, and may 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -114,6 +116,21 @@ class _Line:
         return 0.0, mean_t / mean_n
 
 
+def _memoised(method):
+    """Within :meth:`MeasuredCosts.frozen`, each estimate is computed once per arguments (one choice asks for
+    the same ones dozens of times: ~80 µs a step, 1-2% of a step at batch 1-2, before memoising)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        memo = self._memo
+        if memo is None or kwargs:
+            return method(self, *args, **kwargs)
+        key = (method.__name__, *args)
+        if key not in memo:
+            memo[key] = method(self, *args)
+        return memo[key]
+    return wrapper
+
+
 @dataclass
 class MeasuredCosts:
     """Online cost estimates, measured, never assumed (``None`` until something supports an estimate; the
@@ -137,6 +154,19 @@ class MeasuredCosts:
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     # steps at batch size B since scoring n tokens a row was last measured there, by (n, B)
     age: dict[tuple[int, int], int] = field(default_factory=dict)
+    _memo: dict | None = field(default=None, repr=False, compare=False)
+
+    @contextlib.contextmanager
+    def frozen(self):
+        """Memoise the estimates for the duration (nothing may be observed meanwhile): for one choice."""
+        outer = self._memo is None
+        if outer:
+            self._memo = {}
+        try:
+            yield self
+        finally:
+            if outer:
+                self._memo = None
 
     def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int,
                 scored: int | None = None, draft_clean: bool = True, draft_rows: int = 1) -> None:
@@ -176,6 +206,7 @@ class MeasuredCosts:
             fixed, per = line.fit(solved[nearest] if nearest is not None else None)
             self.draft_fixed[rows], self.draft_pass[rows] = fixed, per
 
+    @_memoised
     def draft_time(self, k: int, rows: int = 1) -> float | None:
         """Seconds for ``rows`` rows to draft k tokens each; None before a clean measurement supports it.
 
@@ -196,6 +227,7 @@ class MeasuredCosts:
         top_rows, top = measured[-1]
         return top * rows / top_rows
 
+    @_memoised
     def _measured_at(self, batch_size: int) -> list[tuple[int, float]]:
         """Measured (n, seconds) at this batch size by n, made non-decreasing: scoring more tokens does not
         cost less, so a pass measured dearer than a longer one is estimated at the longer one's cost."""
@@ -234,6 +266,7 @@ class MeasuredCosts:
         (b0, t0), (b1, t1) = below[0], above[0]
         return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
 
+    @_memoised
     def verify_time(self, n: int, batch_size: int) -> float | None:
         """Seconds to score n tokens per row at this batch size: measured; between measured lengths
         interpolated; beyond them on the line through the two nearest. Where too little was measured at this
@@ -269,6 +302,7 @@ class MeasuredCosts:
         steps there."""
         return (n, batch_size) in self.verify and self.age.get((n, batch_size), 0) < stale_after
 
+    @_memoised
     def hopeful_verify_time(self, n: int, batch_size: int, stale_after: int = REMEASURE_AFTER) -> float | None:
         """The cheapest cost consistent with what was measured lately, for a pass not measured lately (never,
         or ``stale_after`` steps ago) and at most twice as long as a shorter one that was: that one's cost
@@ -449,7 +483,16 @@ class CostModelPolicy(GammaPolicy):
             return 1, 0, min(2 * wait, 16 * self.probe_every)
         return 0, idle, wait
 
+    def _frozen(self):
+        """Costs memoised for one choice (a replaced ``costs`` object may not offer it)."""
+        frozen = getattr(self.costs, "frozen", None)
+        return frozen() if frozen is not None else contextlib.nullcontext()
+
     def choose(self, seq, max_k):
+        with self._frozen():
+            return self._choose(seq, max_k)
+
+    def _choose(self, seq, max_k):
         state = self._state(seq)
         batch_size = seq.scratch.get("batch_size", 1)
         k = self.best_k(self._alpha(seq), max_k, batch_size, state["idle"] > 0, state.get("k", 1) > 0)
@@ -461,6 +504,10 @@ class CostModelPolicy(GammaPolicy):
     def choose_batch(self, seqs, max_ks):
         """One k for the whole step (each row capped by its own max_k); a probe drafts one token in one row
         only (the likeliest to be accepted), which is all it needs to learn whether α has changed."""
+        with self._frozen():
+            return self._choose_batch(seqs, max_ks)
+
+    def _choose_batch(self, seqs, max_ks):
         alphas = [self._alpha(s) for s in seqs]
         k = self._best(alphas, list(max_ks), len(seqs), self._batch_idle > 0, self._batch_k > 0)
         if k < 0:  # measuring

@@ -234,6 +234,20 @@ def test_measured_costs_estimate_unseen_batch_sizes_from_a_bilinear_fit():
     assert MeasuredCosts().verify_time(1, 1) is None  # nothing measured: no guess
 
 
+def test_estimates_memoised_for_one_choice_never_outlive_it(tiny_target):
+    costs = MeasuredCosts()
+    for n in (1, 3, 5):
+        costs.observe(n - 1, 0.001 * n, 0.010 + 0.001 * n, 1)
+    plain = [costs.verify_time(n, 1) for n in range(1, 9)], [costs.draft_time(k) for k in range(9)]
+    with costs.frozen():
+        assert ([costs.verify_time(n, 1) for n in range(1, 9)], [costs.draft_time(k) for k in range(9)]) == plain
+    costs.observe(2, 0.002, 0.050, 1)  # a new measurement after the choice: the next estimate sees it
+    assert costs.verify_time(3, 1) != plain[0][2]
+    policy = CostModelPolicy(max_gamma=8, costs=costs)
+    policy.choose_batch([seq_state(tiny_target)], [8])
+    assert costs._memo is None
+
+
 def test_measured_costs_learn_how_drafting_scales_with_the_rows_drafting():
     costs = MeasuredCosts()
     assert costs.draft_time(1, 4) is None
