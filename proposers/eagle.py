@@ -218,6 +218,10 @@ class EagleProposer(Proposer):
                     m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
                     m.bias = None if m.bias is None else nn.Parameter(m.bias.new_empty(0), requires_grad=False)
         self.rope = RopeTable(self.head.rotary, target.device, target.dtype)
+        # a drafted token's embedding as a row of the table (~1 µs) rather than a module call on a new tensor
+        # (~7 µs a step); only for a plain nn.Embedding, whose forward is exactly that lookup
+        embedding = target.embedding
+        self.embedding_table = embedding.weight if type(embedding) is nn.Embedding else None
 
     # --- per-sequence state ----------------------------------------------------------------------
     def _state(self, seq: SequenceState) -> _State:
@@ -282,8 +286,9 @@ class EagleProposer(Proposer):
                 if not go_on:
                     break
                 if j + 1 < k:
-                    tok = torch.tensor([token], device=device)
-                    f_hat = self._step(f_hat[None], emb(tok), n - 1 + j, st.cache)
+                    table = self.embedding_table
+                    embedded = table[token][None] if table is not None else emb(torch.tensor([token], device=device))
+                    f_hat = self._step(f_hat[None], embedded, n - 1 + j, st.cache)
             st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
         return Proposal(torch.tensor(drafted, device=device), torch.stack(q_rows) if q_rows else None)
 
