@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specplug import draft_stop, few_rows, heads, int8_products, zoo
-from specplug.drafting_vocab import Projection, read_ranks, same_subset, sampled_or_greedy, vocab_subset
+from specplug.drafting_vocab import Projection, projection_onto, read_ranks, same_subset, sampled_or_greedy, vocab_subset
 from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import draw
@@ -194,7 +194,8 @@ class EagleProposer(Proposer):
         self.sampled_subset = vocab_subset(sampled_vocab, ranks, ranks_file, target.vocab_size, KIND)
         if weights is None:
             weights = recommended.get("weights") or ("int8" if int8_products.available(str(target.device)) else "target")
-        self.weights = _weights(weights, target.device)
+        self.weights = int8_products.checked_weights(weights, ("int8", "target", "float32"), target.device, KIND,
+                                                     "target")
         self.stop_below = draft_stop.threshold(stop_below, recommended.get("stop_below"), KIND)
         self.vocab_size = target.vocab_size
         self.head = module.to(device=target.device, dtype=target.dtype).eval()
@@ -316,27 +317,9 @@ class EagleProposer(Proposer):
 def _projection(subset: torch.Tensor | None, target, int8: bool) -> Projection:
     """The target's LM head for drafting: over a subset (a copy of its rows), or all of it (shared by reference,
     or one int8 copy)."""
-    weight = target.lm_head.weight.detach()
-    if subset is None and not int8:
-        return Projection(None, target.lm_head)
-    if subset is not None:
-        subset = subset.to(target.device)
-        weight = weight[subset].contiguous()
-    product = Product(weight, int8=int8)
-    return Projection(subset, product, product.nbytes() if int8 else weight.numel() * weight.element_size())
+    return projection_onto(target.lm_head.weight, subset, int8, whole=target.lm_head)
 
 
-_WEIGHTS = ("int8", "target", "float32")
-
-
-def _weights(value, device) -> str:
-    """The drafting weights' form, checked: int8 needs its kernel on the target's device."""
-    if value not in _WEIGHTS:
-        raise ValueError(f"eagle: weights must be one of {', '.join(map(repr, _WEIGHTS))}, got {value!r}")
-    if value == "int8" and not int8_products.available(str(device)):
-        raise ValueError(f"eagle: weights='int8' needs torch's int8 kernel (torch._weight_int8pack_mm), which "
-                         f"this torch build does not run on {device}; pass weights='target'")
-    return value
 
 
 @hookimpl

@@ -11,19 +11,28 @@ SiLU block alone cannot: SiLU >= -0.28 bounds how far it can move a coordinate d
 draft token i is sampled from q_i with ``seq.rng`` (independently of the earlier drafts: q_i is exactly the
 distribution it was drawn from, which is all the verifier needs). At most n tokens are drafted per step.
 
-The loop prefills the prompt without features, so ``begin`` spends one extra target forward on the prompt to
-get f[t] for the first step (``prompt_features=False`` skips it: the first step then drafts nothing, and the
-proposal depends on the history, not only on the sequence).
+The prompt's f[t] comes from the decode loop's prefill (which computes the features a proposer declares), else
+from one extra target forward in ``begin`` (``prompt_features=False`` skips that: the first step then drafts
+nothing, and the proposal depends on the history, not only on the sequence).
+
+Drafting runs the heads' products directly (no module calls), in int8 by default where torch has the kernel
+(see :mod:`specplug.int8_products`), and projects onto a drafting vocabulary (see
+:mod:`specplug.drafting_vocab`): neither touches exactness, since each token is drawn from the q reported.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
+from typing import Sequence
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from specplug import few_rows, heads, zoo
+from specplug import heads, int8_products, zoo
+from specplug.drafting_vocab import full_q, projection_onto, read_ranks, same_subset, sampled_or_greedy, vocab_subset
+from specplug.lean_llama import Product
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import processed_probs, sample_rows
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
@@ -121,10 +130,17 @@ class MTPProposer(Proposer):
 
     def __init__(self, target=None, head: str | os.PathLike | MTPHeads | None = None, num_heads: int = 3,
                  num_layers: int = 1, share_lm_head: bool = False, seed: int = 0, init_std: float = 0.1,
-                 prompt_features: bool = True):
+                 prompt_features: bool = True, vocab: int | Sequence[int] | str | None = None,
+                 sampled_vocab: int | Sequence[int] | str | None = None, weights: str | None = None):
         """``head``: a heads directory, a ``zoo:`` name, an :class:`MTPHeads`, or ``"random"`` (random blocks
         with ``num_heads``/``num_layers``/``share_lm_head``, seeded; for tests). Default: the heads bundled
-        for a zoo target or found beside a local target directory (``<target>-mtp``)."""
+        for a zoo target or found beside a local target directory (``<target>-mtp``).
+        ``vocab`` / ``sampled_vocab``: the drafting vocabulary for greedy / sampling sequences, as for
+        ``eagle`` (token ids, a count of the most frequent, or ``"all"``); None: the heads' ``config.json``
+        recommendation (``drafting.vocab`` / ``drafting.sampled_vocab``), else all.
+        ``weights``: ``"int8"`` (int8 copies of every drafting product) or ``"loaded"`` (the weights as loaded,
+        the target's LM head as it multiplies). None: the heads' recommendation (``drafting.weights``), else
+        int8 where torch has the kernel for the device."""
         if target is None:
             raise TypeError("mtp needs target= (the Target whose features it reads)")
         self.target = target
@@ -135,6 +151,7 @@ class MTPProposer(Proposer):
             if head is None:
                 raise TypeError(f"mtp needs head= (a trained heads directory, or 'random') for target "
                                 f"{target.name!r}; only bundled zoo targets have default heads")
+        recommended = {}  # the heads' config.json may recommend drafting settings (drafting.vocab, ...)
         if isinstance(head, MTPHeads):
             module = head
         elif isinstance(head, str) and head == "random":
@@ -145,6 +162,7 @@ class MTPProposer(Proposer):
             config, state = heads.load_head(self.head_path, KIND, target)
             module = MTPHeads(config["head"])
             module.load_state_dict(state)
+            recommended = config.get("drafting", {})
         if module.config["hidden_size"] != target.hidden_size or module.config["vocab_size"] != target.vocab_size:
             raise ValueError(f"mtp: heads (hidden {module.config['hidden_size']}, vocab "
                              f"{module.config['vocab_size']}) do not fit target {target.name!r} "
@@ -152,7 +170,38 @@ class MTPProposer(Proposer):
         self.heads = module.to(device=target.device, dtype=target.dtype).eval()
         for p in self.heads.parameters():
             p.requires_grad_(False)
-        few_rows.install(self.heads)  # see specplug.few_rows (the target's LM head has it too)
+        ranks, ranks_file = read_ranks(self.head_path, getattr(target, "path", None))
+        vocab = vocab if vocab is not None else recommended.get("vocab", "all")
+        sampled_vocab = sampled_or_greedy(sampled_vocab, recommended.get("sampled_vocab"), vocab)
+        self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, KIND)
+        self.sampled_subset = vocab_subset(sampled_vocab, ranks, ranks_file, target.vocab_size, KIND)
+        self.vocab_size = target.vocab_size
+        if weights is None:
+            weights = recommended.get("weights") or ("int8" if int8_products.available(str(target.device)) else "loaded")
+        self.weights = int8_products.checked_weights(weights, ("int8", "loaded"), target.device, KIND,
+                                                     "loaded")
+        int8 = self.weights == "int8"
+        # the products a draft runs, called directly: a module call costs more than a one-row product
+        self.blocks = [[Product(res.linear.weight, res.linear.bias, int8=int8) for res in block]
+                       for block in module.blocks]
+        self.adapt = None if module.adapt is None else [Product(a.weight, int8=int8) for a in module.adapt]
+        self.greedy_projections = self._projections(self.subset, int8)
+        self.sampled_projections = (self.greedy_projections if same_subset(self.subset, self.sampled_subset)
+                                    else self._projections(self.sampled_subset, int8))
+        if int8 and not isinstance(head, MTPHeads):
+            # heads loaded here are ours: their float linear weights are no longer used, so let them go
+            for m in self.heads.modules():
+                if isinstance(m, nn.Linear):
+                    m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+                    m.bias = None if m.bias is None else nn.Parameter(m.bias.new_empty(0), requires_grad=False)
+
+    def _projections(self, subset: torch.Tensor | None, int8: bool) -> list:
+        """One projection per head: the target's LM head (one projection shared by every head) or each head's
+        own output projection, over ``subset``."""
+        if self.heads.proj is None:
+            shared = projection_onto(self.target.lm_head.weight, subset, int8, whole=self.target.lm_head)
+            return [shared] * self.heads.num_heads
+        return [projection_onto(proj.weight, subset, int8) for proj in self.heads.proj]
 
     def _check_target(self, seq: SequenceState) -> None:
         if seq.target.model is not self.target.model:
@@ -176,14 +225,29 @@ class MTPProposer(Proposer):
         # head i reads f[t], t = the position before the newest token, and predicts the token at t+2+i
         if st is None or st.feature is None or st.at != len(seq.ids) - 2 or k <= 0:
             return Proposal.empty(device)
+        projections = self.greedy_projections if seq.sampling.greedy else self.sampled_projections
         with torch.inference_mode():
-            logits = self.heads.logits(st.feature.to(self.heads.blocks[0][0].linear.weight.dtype),
-                                       self.target.lm_head, n=k)
+            hidden = torch.stack([self._hidden(st.feature, i) for i in range(k)])  # [k, h]
+            if all(p is projections[0] for p in projections[:k]):  # shared LM head: one product for all heads
+                logits = projections[0].product(hidden)
+            else:
+                logits = torch.stack([projections[i].product(hidden[i]) for i in range(k)])
+            subset = projections[0].subset
             if seq.sampling.greedy:  # q is the point mass at each argmax: no dense q to carry
-                return Proposal(logits.float().argmax(-1).to(device), None)
-            q = processed_probs(logits, seq.sampling)  # [k, V]
-            tokens = sample_rows(q, seq.rng)
-        return Proposal(tokens.to(device), q)
+                best = logits.float().argmax(-1)
+                return Proposal((best if subset is None else subset[best]).to(device), None)
+            q = processed_probs(logits, seq.sampling)  # [k, V] or [k, |subset|]: what the tokens are drawn from
+            drawn = sample_rows(q, seq.rng)
+            tokens = drawn if subset is None else subset[drawn]
+            q = full_q(q, subset, self.vocab_size)  # zero outside the subset
+        return Proposal(tokens.to(device), q.to(device))
+
+    def _hidden(self, feature: torch.Tensor, i: int) -> torch.Tensor:
+        """Head i's hidden state from the feature [h]: its residual blocks, then (shared LM head) its map A_i."""
+        x = feature
+        for product in self.blocks[i]:
+            x = x + F.silu(product(x))
+        return x if self.adapt is None else self.adapt[i](x)
 
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:
         st = seq.scratch.setdefault(self.name, _State())
@@ -199,7 +263,12 @@ class MTPProposer(Proposer):
         seq.scratch.pop(self.name, None)
 
     def memory_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.heads.parameters())
+        products = [p for block in self.blocks for p in block] + list(self.adapt or [])
+        projections = {id(p): p for p in (*self.greedy_projections, *self.sampled_projections)}.values()
+        return (sum(p.nbytes() for p in products) + sum(p.copied_bytes for p in projections)
+                + sum(p.numel() * p.element_size() for p in self.heads.parameters()))
+
+
 
 
 @hookimpl

@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from .lean_llama import Product
+
 FREQUENT_TOKENS = "frequent_tokens.json"
 
 
@@ -61,10 +63,10 @@ def vocab_subset(vocab: int | Sequence[int] | str | None, ranks: dict | None, ra
 
 
 def full_q(q: torch.Tensor | None, subset: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
-    """q over the subset's positions -> q over the whole vocabulary (zero outside the subset)."""
+    """q [..., S] over the subset's positions -> q [..., V] over the whole vocabulary (zero outside the subset)."""
     if q is None or subset is None:
         return q
-    return q.new_zeros(vocab_size).index_copy_(0, subset, q)
+    return q.new_zeros(*q.shape[:-1], vocab_size).index_copy_(q.dim() - 1, subset, q)
 
 
 def sampled_or_greedy(sampled_vocab, recommended, vocab):
@@ -96,3 +98,19 @@ class Projection:
         if self.subset is None:
             return index, q
         return self.ids[index], full_q(q, self.subset, vocab_size)  # q zero outside the subset
+
+
+def projection_onto(weight: torch.Tensor, subset: torch.Tensor | None, int8: bool,
+                    whole: torch.nn.Module | None = None) -> Projection:
+    """A projection through ``weight`` (an LM head's [V, H]): its rows for ``subset`` (a copy), or all of it —
+    through ``whole`` (e.g. the target's LM head module, shared by reference) where given, else ``weight``
+    itself; ``int8`` multiplies by an int8 copy (see :mod:`specplug.int8_products`)."""
+    weight = weight.detach()
+    if subset is None and not int8 and whole is not None:
+        return Projection(None, whole)
+    if subset is not None:
+        subset = subset.to(weight.device)
+        weight = weight[subset].contiguous()
+    product = Product(weight, int8=int8)
+    copied = product.nbytes() if int8 else (weight.numel() * weight.element_size() if subset is not None else 0)
+    return Projection(subset, product, copied)

@@ -43,6 +43,17 @@ def available(device: str) -> bool:
         return False
 
 
+def checked_weights(value, forms: tuple[str, ...], device, who: str, fallback: str) -> str:
+    """A drafter's ``weights=`` setting, checked: one of ``forms``, and ``"int8"`` only where the kernel runs on
+    ``device`` (else the error names ``who`` and suggests ``fallback``)."""
+    if value not in forms:
+        raise ValueError(f"{who}: weights must be one of {', '.join(map(repr, forms))}, got {value!r}")
+    if value == "int8" and not available(str(device)):
+        raise ValueError(f"{who}: weights='int8' needs torch's int8 kernel (torch._weight_int8pack_mm), which "
+                         f"this torch build does not run on {device}; pass weights={fallback!r}")
+    return value
+
+
 class Int8Product:
     """``x @ weight.T + bias`` with the weight kept as int8 and per-row scales; returns x's dtype."""
 

@@ -70,12 +70,16 @@ def test_eagle_drafts_only_subset_tokens_and_its_q_is_zero_elsewhere(small_targe
     assert torch.allclose(proposal.q.sum(-1), torch.ones(4))
 
 
+def first_proposal(proposer, target, sampling, k):
+    seq = specplug.SequenceState(ids=list(PROMPT), num_prompt=len(PROMPT), sampling=sampling,
+                                 rng=torch.Generator().manual_seed(0), target=target)
+    proposer.begin(seq)
+    return proposer.propose(seq, k)
+
+
 def test_eagle_sampled_vocab_covers_sampling_and_vocab_greedy(small_target, tmp_path):
     def proposal(proposer, sampling):
-        seq = specplug.SequenceState(ids=list(PROMPT), num_prompt=len(PROMPT), sampling=sampling,
-                                     rng=torch.Generator().manual_seed(0), target=small_target)
-        proposer.begin(seq)
-        return proposer.propose(seq, 4)
+        return first_proposal(proposer, small_target, sampling, 4)
 
     proposer = random_proposer("eagle", small_target, vocab=SUBSET, sampled_vocab="all")
     outside = [i for i in range(small_target.vocab_size) if i not in SUBSET]
@@ -88,6 +92,28 @@ def test_eagle_sampled_vocab_covers_sampling_and_vocab_greedy(small_target, tmp_
                     drafting={"vocab": SUBSET, "sampled_vocab": "all"})
     loaded = EagleProposer(small_target, head=tmp_path / "e")
     assert loaded.subset.tolist() == SUBSET and loaded.sampled_subset is None
+
+
+def test_mtp_drafts_greedy_in_vocab_and_samples_over_sampled_vocab(small_target, tmp_path):
+    def proposal(proposer, sampling):
+        return first_proposal(proposer, small_target, sampling, 2)
+
+    outside = [i for i in range(small_target.vocab_size) if i not in SUBSET]
+    narrow = random_proposer("mtp", small_target, vocab=SUBSET, sampled_vocab=SUBSET)
+    sampled = proposal(narrow, SETTINGS["temperature-1"])
+    assert set(sampled.tokens.tolist()) <= set(SUBSET) and float(sampled.q[:, outside].abs().max()) == 0.0
+    assert torch.allclose(sampled.q.sum(-1), torch.ones(2))
+    wide = random_proposer("mtp", small_target, vocab=SUBSET, sampled_vocab="all")
+    assert float(proposal(wide, SETTINGS["temperature-1"]).q[:, outside].sum()) > 0
+    assert set(proposal(wide, specplug.SamplingParams(temperature=0)).tokens.tolist()) <= set(SUBSET)
+    # the heads' config may recommend both (the bundled heads: 2,048 tokens greedy, all of them sampled)
+    module = MTPHeads.for_target(small_target.model, num_heads=2, share_lm_head=True)
+    heads.save_head(tmp_path / "m", "mtp", module.state_dict(), module.config, small_target,
+                    drafting={"vocab": SUBSET, "sampled_vocab": "all", "weights": "loaded"})
+    loaded = MTPProposer(small_target, head=tmp_path / "m")
+    assert loaded.subset.tolist() == SUBSET and loaded.sampled_subset is None and loaded.weights == "loaded"
+    with pytest.raises(ValueError, match="mtp: vocab ids must be"):
+        random_proposer("mtp", small_target, vocab=[small_target.vocab_size])
 
 
 def test_eagle_vocab_errors_name_the_proposer(small_target):

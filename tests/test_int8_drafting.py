@@ -1,4 +1,4 @@
-"""Weight-only int8 drafting (``eagle:weights=int8``, ``draft-model:weights=int8``): the products multiply by
+"""Weight-only int8 drafting (``eagle``, ``draft-model`` and ``mtp`` with ``weights=int8``): the products multiply by
 what their scales say, the output stays exactly the target's (sampled, greedy, batched), the float weights they
 replace are let go, and a wrong setting is a clear error naming the proposer."""
 import pytest
@@ -8,6 +8,7 @@ import specplug
 from specplug import int8_products
 from specplug.proposers.draft_model import DraftModelProposer
 from specplug.proposers.eagle import EagleProposer
+from specplug.proposers.mtp import MTPProposer
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
 
 PROMPT = [1, 2, 3, 4, 5, 0, 1, 2]
@@ -48,6 +49,20 @@ def test_eagle_with_int8_weights_is_exact(setting, small_target):
     assert chi_square_pvalue(counts, expected) > EXACTNESS_ALPHA
 
 
+def random_mtp(target, **options):
+    return MTPProposer(target, head="random", seed=3, num_heads=2, init_std=0.3, weights="int8", **options)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_mtp_with_int8_weights_over_a_subset_is_exact(setting, share_lm_head, small_target):
+    sampling = SETTINGS[setting]
+    proposer = random_mtp(small_target, vocab=[0, 2, 3, 5], sampled_vocab=[0, 2, 3, 5], share_lm_head=share_lm_head)
+    expected = exact_distribution(small_target, PROMPT, 3, sampling)
+    counts = sampled_distribution(small_target, proposer, PROMPT, 3, sampling, 1500)
+    assert chi_square_pvalue(counts, expected) > EXACTNESS_ALPHA
+
+
 def test_draft_model_with_int8_weights_is_exact(small_vocab_dirs, small_target):
     sampling = SETTINGS["temperature-1"]
     proposer = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="int8")
@@ -60,7 +75,7 @@ def test_int8_drafters_decode_greedy_as_target_only_single_and_batched(tiny_dirs
     prompts = ["def add(a, b):\n", "class Stack:\n    def push(self, x):\n"]
     greedy = specplug.SamplingParams(temperature=0)
     base = [specplug.generate(tiny_target, None, p, max_new_tokens=60, sampling=greedy).tokens for p in prompts]
-    for proposer in (random_eagle(tiny_target),
+    for proposer in (random_eagle(tiny_target), random_mtp(tiny_target, vocab=list(range(0, tiny_target.vocab_size, 2))),
                      DraftModelProposer(target=tiny_target, model=tiny_dirs["draft"], weights="int8")):
         for prompt, want in zip(prompts, base):
             out = specplug.generate(tiny_target, proposer, prompt, max_new_tokens=60, sampling=greedy,
@@ -84,6 +99,13 @@ def test_int8_drafters_hold_int8_copies_instead_of_float_weights(small_vocab_dir
     assert all(p.int8 is not None and p.int8.weight.dtype == torch.int8 and p.weight is None for p in products)
     # the loaded head's float linear weights are released: about a quarter of the float32 bytes remain
     assert int8.memory_bytes() < 0.35 * floats.memory_bytes()
+    from specplug.proposers.mtp import MTPHeads
+
+    mtp = MTPHeads.for_target(small_target.model, num_heads=2, share_lm_head=True)
+    heads.save_head(tmp_path / "m", "mtp", mtp.state_dict(), mtp.config, small_target, dtype=torch.float32)
+    mtp_floats, mtp_int8 = (MTPProposer(small_target, head=tmp_path / "m", weights=w) for w in ("loaded", "int8"))
+    assert all(p.int8 is not None for block in mtp_int8.blocks for p in block)
+    assert mtp_int8.memory_bytes() < 0.35 * mtp_floats.memory_bytes()
     loaded = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="loaded")
     narrow = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="int8")
     assert narrow.memory_bytes() < loaded.memory_bytes()  # int8 copies in place of float one-row copies
@@ -91,6 +113,7 @@ def test_int8_drafters_hold_int8_copies_instead_of_float_weights(small_vocab_dir
 
 def test_int8_is_the_default_where_the_kernel_runs(small_vocab_dirs, small_target):
     assert EagleProposer(small_target, head="random").weights == "int8"
+    assert MTPProposer(small_target, head="random").weights == "int8"
     assert DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"]).weights == "int8"
     # HF's forward (no lean path) multiplies by the weights as loaded
     assert DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], fast=False).weights == "loaded"
@@ -99,6 +122,8 @@ def test_int8_is_the_default_where_the_kernel_runs(small_vocab_dirs, small_targe
 def test_bad_weights_setting_names_the_proposer(small_vocab_dirs, small_target):
     with pytest.raises(ValueError, match="eagle: weights must be one of"):
         EagleProposer(small_target, head="random", weights="int4")
+    with pytest.raises(ValueError, match="mtp: weights must be one of 'int8', 'loaded'"):
+        MTPProposer(small_target, head="random", weights="float32")
     with pytest.raises(ValueError, match="draft-model: weights must be 'loaded' or 'int8'"):
         DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="fp8")
     with pytest.raises(ValueError, match="draft-model: weights='int8' needs the lean path"):
