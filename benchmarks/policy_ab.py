@@ -1,0 +1,64 @@
+"""The cost-model policy against static γ at one batch size, alternating in one process: is a gap real or noise?
+
+    python benchmarks/policy_ab.py [--batch-size 4] [--proposer draft-model] [--gammas 6,8] [--repeats 6]
+
+The load bench runs each cell once per repeat minutes apart, so a slow spell of the shared machine can sit in
+one cell's runs; here every repeat runs each static γ, a fresh policy and one kept across repeats back to back
+(order rotated per repeat) on the same 16 HumanEval requests × 64 tokens, greedy. Prints each variant's median
+goodput (tokens/s) and the median over repeats of its goodput over the best listed static γ's in that repeat.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import specplug
+from specplug.batch import generate_batch
+from specplug.bench.workloads import humaneval_prompts
+from specplug.policies import CostModelPolicy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="zoo:pycode")
+    ap.add_argument("--proposer", default="draft-model")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--gammas", default="6,8", help="static γ values, comma-separated")
+    ap.add_argument("--max-gamma", type=int, default=8, help="the policy's largest γ")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=6)
+    args = ap.parse_args()
+    target = specplug.Target.from_pretrained(args.target)
+    prompts = humaneval_prompts(args.requests)
+    sampling = [specplug.SamplingParams(temperature=0, seed=i) for i in range(len(prompts))]
+    kept = CostModelPolicy(max_gamma=args.max_gamma)
+    variants = {f"γ={g}": int(g) for g in args.gammas.split(",")}
+    variants.update({"cost-model fresh": None, "cost-model kept": kept})
+
+    def run(gamma) -> float:
+        proposer = specplug.get_proposer(args.proposer, target=target)
+        policy = CostModelPolicy(max_gamma=args.max_gamma) if gamma is None else gamma
+        start = time.perf_counter()
+        results = generate_batch(target, proposer, prompts, max_new_tokens=64, sampling=sampling,
+                                 num_speculative_tokens=policy, max_batch_size=args.batch_size)
+        return sum(len(r.tokens) for r in results) / (time.perf_counter() - start)
+
+    for gamma in variants.values():  # warm-up: every shape once, and the kept policy's first run
+        run(gamma)
+    names = list(variants)
+    goodput: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(args.repeats):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            goodput[name].append(run(variants[name]))
+    static = [name for name in names if name.startswith("γ")]
+    best = [max(goodput[name][i] for name in static) for i in range(args.repeats)]
+    print(f"{args.proposer}, B = {args.batch_size}, {args.requests} requests, {args.repeats} repeats")
+    for name in names:
+        paired = statistics.median(g / b for g, b in zip(goodput[name], best))
+        print(f"{name:18s} {statistics.median(goodput[name]):7.0f} tokens/s   {100 * (paired - 1):+5.1f}% against the "
+              f"best static γ in the same repeat")
+
+
+if __name__ == "__main__":
+    main()
