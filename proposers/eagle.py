@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from specplug import draft_stop, few_rows, heads, int8_products, zoo
-from specplug.drafting_vocab import Projection, projection_onto, read_ranks, same_subset, sampled_or_greedy, vocab_subset
+from specplug.drafting_vocab import (Projection, projection_onto, read_ranks, same_subset, sampled_or_greedy,
+                                     vocab_subset)
 from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import draw
@@ -318,8 +319,6 @@ def _projection(subset: torch.Tensor | None, target, int8: bool) -> Projection:
     """The target's LM head for drafting: over a subset (a copy of its rows), or all of it (shared by reference,
     or one int8 copy)."""
     return projection_onto(target.lm_head.weight, subset, int8, whole=target.lm_head)
-
-
 
 
 @hookimpl

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
 from typing import Sequence
 
 import torch
@@ -31,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specplug import heads, int8_products, zoo
-from specplug.drafting_vocab import full_q, projection_onto, read_ranks, same_subset, sampled_or_greedy, vocab_subset
+from specplug.drafting_vocab import (full_q, projection_onto, read_ranks, same_subset, sampled_or_greedy,
+                                     vocab_subset)
 from specplug.lean_llama import Product
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import processed_probs, sample_rows
@@ -267,8 +267,6 @@ class MTPProposer(Proposer):
         projections = {id(p): p for p in (*self.greedy_projections, *self.sampled_projections)}.values()
         return (sum(p.nbytes() for p in products) + sum(p.copied_bytes for p in projections)
                 + sum(p.numel() * p.element_size() for p in self.heads.parameters()))
-
-
 
 
 @hookimpl
