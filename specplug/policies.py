@@ -355,7 +355,9 @@ class CostModelPolicy(GammaPolicy):
 
     After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
     noticed, and it switches back on only for a predicted gain above ``switch_on_margin`` (every drafter then
-    catches up on what it missed); each probe that changes nothing doubles the wait (up to 16×). Where the
+    catches up on what it missed); each probe that changes nothing doubles the wait (up to 16×). A probe whose
+    proposer drafted nothing (``ngram`` without a match) tested nothing: the next step probes again, in a
+    batch in another row, at no cost beyond a plain step. Where the
     scoring cost alone rules drafting out even if every draft were accepted, it neither measures drafting
     nor probes: no α could change the choice.
 
@@ -378,6 +380,8 @@ class CostModelPolicy(GammaPolicy):
         self._last_step: dict | None = None
         self._last_rows = 0  # rows that drafted in the previous batch step (rows beyond it had a backlog)
         self._probe_row = None  # the sequence the last one-row step drafted in (measured again, if it can)
+        self._probing = False  # the last batch choice was a probe
+        self._empty_row = None  # the row whose probe drafted nothing (the next probe tries another)
 
     def _state(self, seq) -> dict:
         key = f"policy:{self.name}"
@@ -498,6 +502,7 @@ class CostModelPolicy(GammaPolicy):
         k = self.best_k(self._alpha(seq), max_k, batch_size, state["idle"] > 0, state.get("k", 1) > 0)
         can_probe = k == 0 and self._could_pay([max_k], batch_size)
         k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, can_probe)
+        state["probing"] = can_probe and k > 0
         state["k"] = k
         return k
 
@@ -516,7 +521,8 @@ class CostModelPolicy(GammaPolicy):
         can_probe = idle and self._could_pay(list(max_ks), len(seqs))
         k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, can_probe)
         self._batch_k = k
-        if idle and k > 0:  # a probe
+        self._probing = idle and k > 0
+        if self._probing:
             return self._one_row(seqs, alphas, max_ks)
         return [min(k, m) for m in max_ks]
 
@@ -524,6 +530,7 @@ class CostModelPolicy(GammaPolicy):
         """k = 1 in one row: the one measured last step if it can draft (its drafter has no backlog), else the
         likeliest to be accepted."""
         ready = [j for j, m in enumerate(max_ks) if m > 0]
+        ready = [j for j in ready if seqs[j] is not self._empty_row] or ready
         ks = [0] * len(max_ks)
         if ready:
             again = [j for j in ready if seqs[j] is self._probe_row]
@@ -543,9 +550,16 @@ class CostModelPolicy(GammaPolicy):
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
                                    step["scored"], clean, step["draft_rows"])
                 self._last_rows = step["draft_rows"]
+                self._empty_row = None
+                if self._probing and step["drafted"] == 0:  # probe again next step, in another row
+                    self._batch_wait = max(self.probe_every, self._batch_wait // 2)
+                    self._batch_idle, self._empty_row, self._probe_row = self._batch_wait, self._probe_row, None
         else:
             self.costs.observe(proposed, draft_time, verify_time, batch_size, None, state.get("drafted", 0) > 0)
             state["drafted"] = proposed
+            if state.pop("probing", False) and proposed == 0:  # probe again next step
+                state["wait"] = max(self.probe_every, state["wait"] // 2)
+                state["idle"] = state["wait"]
         if proposed == 0:
             return
         trials = accepted + (accepted < proposed)

@@ -82,6 +82,36 @@ def test_cost_model_probes_again_after_a_run_of_zeros(tiny_target):
     assert [policy.choose(seq, 8) for _ in range(10)] == [0] * 9 + [1]
 
 
+def test_a_probe_that_drafted_nothing_is_tried_again_next_step(tiny_target):
+    """A proposer with nothing to propose (ngram without a match) turns a probe into a plain step that tested
+    nothing: waiting twice as long for the next one would leave speculation off on no evidence."""
+    policy = CostModelPolicy(costs=ControlledCosts(), probe_every=5)
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    for _ in range(20):
+        policy.update(seq, 4, 0, 0.004, 0.013)
+    assert [policy.choose(seq, 8) for _ in range(5)] == [0, 0, 0, 0, 1]
+    policy.update(seq, 0, 0, 0.0, 0.010)  # nothing drafted
+    assert policy.choose(seq, 8) == 1
+    policy.update(seq, 1, 0, 0.001, 0.011)  # drafted and rejected: now the wait doubles
+    assert [policy.choose(seq, 8) for _ in range(10)] == [0] * 9 + [1]
+
+
+def test_a_batch_probe_that_drafted_nothing_moves_to_another_row(tiny_target):
+    policy = CostModelPolicy(max_gamma=4, costs=BatchCosts(0.004), probe_every=3)
+    seqs = [seq_state(tiny_target) for _ in range(4)]
+    for j, seq in enumerate(seqs):
+        policy.begin(seq)
+        policy.update(seq, 4, j, 0.004, 0.013)  # row 3 accepts the most
+    assert [policy.choose_batch(seqs, [4] * 4) for _ in range(3)][-1] == [0, 0, 0, 1]
+    step = {"drafted": 0, "draft_time": 0.0, "verify_time": 0.05, "batch_size": 4, "scored": 1, "draft_rows": 0,
+            "backlog_rows": 0}
+    for seq in seqs:
+        seq.scratch["batch_step"] = step
+        policy.update(seq, 0, 0, 0.0, 0.05, 4)
+    assert policy.choose_batch(seqs, [4] * 4) == [0, 0, 1, 0]  # the next likeliest row, at once
+
+
 class WrongGuess(Proposer):
     """Greedy drafts that are never right: the token the target ranks last."""
 
