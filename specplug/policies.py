@@ -334,6 +334,16 @@ def _between(points: list[tuple[int, float]], x: float) -> float | None:
     return None
 
 
+def _step_tokens(alphas: list[float], max_ks: list[int], cap: int) -> list[float]:
+    """Expected tokens all rows emit in a step drafting k = 0..cap (each row capped by its max_k), computed
+    once for a choice's two passes over k."""
+    tokens = [0.0] * (cap + 1)
+    for alpha, m in zip(alphas, max_ks):
+        for k in range(cap + 1):
+            tokens[k] += expected_tokens(alpha, min(k, m))
+    return tokens
+
+
 def _ewma(old: float, new: float, decay: float) -> float:
     return decay * old + (1 - decay) * new
 
@@ -418,7 +428,8 @@ class CostModelPolicy(GammaPolicy):
             # then drafting that measures a longer scoring pass and what drafting in these rows costs:
             # MEASURE_K tokens in each, twice in a row, since the first also pays the drafter's backlog
             return -1
-        rates = self._rates(alphas, max_ks, batch_size, cap)
+        tokens = _step_tokens(alphas, max_ks, cap)
+        rates = self._rates(tokens, max_ks, batch_size, cap)
         best = max(rates)
         # Explore: a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago),
         # if it would clearly win were that pass no dearer than a shorter one measured lately. A line through
@@ -428,7 +439,7 @@ class CostModelPolicy(GammaPolicy):
         # Old measurements are re-measured only while drafting (``drafting``: the last choice was k > 0): with
         # speculation off only probes spend steps.
         stale_after = REMEASURE_AFTER if drafting and not off else 1 << 62
-        hopeful = self._rates(alphas, max_ks, batch_size, cap, stale_after)
+        hopeful = self._rates(tokens, max_ks, batch_size, cap, stale_after)
         explore = max(range(cap + 1), key=lambda k: hopeful[k])
         if not self.costs.is_fresh(explore + 1, batch_size, stale_after) \
                 and hopeful[explore] > (1 + self.switch_on_margin) * best:
@@ -445,21 +456,20 @@ class CostModelPolicy(GammaPolicy):
             return 0
         return max(range(1, len(rates)), key=lambda k: rates[k])
 
-    def _rates(self, alphas: list[float], max_ks: list[int], batch_size: int, cap: int,
+    def _rates(self, tokens: list[float], max_ks: list[int], batch_size: int, cap: int,
                stale_after: int | None = None) -> list[float]:
-        """Expected tokens per second of a step for k = 0..cap (unmeasured drafting counted as free); with
-        ``stale_after``, scoring passes not measured within that many steps at their cheapest plausible cost
-        (``hopeful_verify_time``)."""
+        """Expected tokens per second of a step for k = 0..cap (``tokens[k]``: the rows' expected tokens, see
+        :func:`_step_tokens`; unmeasured drafting counted as free); with ``stale_after``, scoring passes not
+        measured within that many steps at their cheapest plausible cost (``hopeful_verify_time``)."""
         if stale_after is None:
             scoring = self.costs.verify_time
         else:
             scoring = lambda n, b: self.costs.hopeful_verify_time(n, b, stale_after)  # noqa: E731
+        drafting_rows = sum(1 for m in max_ks if m > 0)
         rates = []
-        for k in range(cap + 1):
-            ks = [min(k, m) for m in max_ks]
-            tokens = sum(expected_tokens(a, kr) for a, kr in zip(alphas, ks))
-            drafting = self.costs.draft_time(max(ks), sum(1 for kr in ks if kr > 0))
-            rates.append(tokens / ((drafting or 0.0) + scoring(max(ks) + 1, batch_size)))
+        for k in range(cap + 1):  # k <= cap <= the largest max_k: the longest draft is k
+            drafting = self.costs.draft_time(k, drafting_rows if k else 0)
+            rates.append(tokens[k] / ((drafting or 0.0) + scoring(k + 1, batch_size)))
         return rates
 
     def _could_pay(self, max_ks: list[int], batch_size: int, hopeful: bool = False) -> bool:
@@ -472,7 +482,8 @@ class CostModelPolicy(GammaPolicy):
         cap = min(self.max_gamma, max(max_ks, default=0))
         if cap <= 0 or self.costs.verify_time(2, batch_size) is None:
             return cap > 0
-        rates = self._rates([1.0] * len(max_ks), max_ks, batch_size, cap, REMEASURE_AFTER if hopeful else None)
+        rates = self._rates(_step_tokens([1.0] * len(max_ks), max_ks, cap), max_ks, batch_size, cap,
+                            REMEASURE_AFTER if hopeful else None)
         return max(rates[1:]) > (1 + self.switch_on_margin) * rates[0]
 
     def _probe(self, idle: int, wait: int, k: int, can_draft: bool) -> tuple[int, int, int]:
