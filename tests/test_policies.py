@@ -71,13 +71,19 @@ def test_cost_model_chooses_a_large_k_when_drafts_are_always_accepted(tiny_targe
     assert policy.choose(seq, 3) == 3  # never beyond what the loop allows
 
 
-def test_cost_model_probes_again_after_a_run_of_zeros(tiny_target):
+def probing_policy(target):
+    """A policy that switched speculation off (drafts never accepted) and has just chosen its first probe."""
     policy = CostModelPolicy(costs=ControlledCosts(), probe_every=5)
-    seq = seq_state(tiny_target)
+    seq = seq_state(target)
     policy.begin(seq)
     for _ in range(20):
         policy.update(seq, 4, 0, 0.004, 0.013)
     assert [policy.choose(seq, 8) for _ in range(5)] == [0, 0, 0, 0, 1]
+    return policy, seq
+
+
+def test_cost_model_probes_again_after_a_run_of_zeros(tiny_target):
+    policy, seq = probing_policy(tiny_target)
     policy.update(seq, 1, 0, 0.001, 0.011)  # the probe failed: the next one waits twice as long
     assert [policy.choose(seq, 8) for _ in range(10)] == [0] * 9 + [1]
 
@@ -85,12 +91,7 @@ def test_cost_model_probes_again_after_a_run_of_zeros(tiny_target):
 def test_a_probe_that_drafted_nothing_is_tried_again_next_step(tiny_target):
     """A proposer with nothing to propose (ngram without a match) turns a probe into a plain step that tested
     nothing: waiting twice as long for the next one would leave speculation off on no evidence."""
-    policy = CostModelPolicy(costs=ControlledCosts(), probe_every=5)
-    seq = seq_state(tiny_target)
-    policy.begin(seq)
-    for _ in range(20):
-        policy.update(seq, 4, 0, 0.004, 0.013)
-    assert [policy.choose(seq, 8) for _ in range(5)] == [0, 0, 0, 0, 1]
+    policy, seq = probing_policy(tiny_target)
     policy.update(seq, 0, 0, 0.0, 0.010)  # nothing drafted
     assert policy.choose(seq, 8) == 1
     policy.update(seq, 1, 0, 0.001, 0.011)  # drafted and rejected: now the wait doubles
