@@ -99,11 +99,7 @@ def test_a_probe_that_drafted_nothing_is_tried_again_next_step(tiny_target):
 
 
 def test_a_batch_probe_that_drafted_nothing_moves_to_another_row(tiny_target):
-    policy = CostModelPolicy(max_gamma=4, costs=BatchCosts(0.004), probe_every=3)
-    seqs = [seq_state(tiny_target) for _ in range(4)]
-    for j, seq in enumerate(seqs):
-        policy.begin(seq)
-        policy.update(seq, 4, j, 0.004, 0.013)  # row 3 accepts the most
+    policy, seqs = rows_accepting_0_to_3(tiny_target)
     assert [policy.choose_batch(seqs, [4] * 4) for _ in range(3)][-1] == [0, 0, 0, 1]
     step = {"drafted": 0, "draft_time": 0.0, "verify_time": 0.05, "batch_size": 4, "scored": 1, "draft_rows": 0,
             "backlog_rows": 0}
@@ -202,12 +198,18 @@ def test_cost_model_never_drafts_long_where_a_short_draft_already_shows_scoring_
     assert choices[:2] == [0, MEASURE_K] and max(choices[2:]) <= 1 and choices[-5:] == [0] * 5
 
 
-def test_cost_model_probes_a_batch_with_one_row_only(tiny_target):
+def rows_accepting_0_to_3(target):
+    """A batch policy (probing every 3 idle steps) over 4 rows; row j accepted j of 4 drafts: row 3 the most."""
     policy = CostModelPolicy(max_gamma=4, costs=BatchCosts(0.004), probe_every=3)
-    seqs = [seq_state(tiny_target) for _ in range(4)]
+    seqs = [seq_state(target) for _ in range(4)]
     for j, seq in enumerate(seqs):
         policy.begin(seq)
-        policy.update(seq, 4, j, 0.004, 0.013)  # row 3 accepts the most
+        policy.update(seq, 4, j, 0.004, 0.013)
+    return policy, seqs
+
+
+def test_cost_model_probes_a_batch_with_one_row_only(tiny_target):
+    policy, seqs = rows_accepting_0_to_3(tiny_target)
     chosen = [policy.choose_batch(seqs, [4, 4, 4, 4]) for _ in range(3)]
     assert chosen == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1]]
 
