@@ -1,8 +1,9 @@
 """Train an EAGLE head for a frozen target (and the machinery both head trainers share).
 
 The target is frozen, so its features are computed **once** for a fixed token budget (windows of the
-training corpus token stream, chosen by seed) and cached in the work dir's parent (``features/``, fp16);
-the MTP trainer reuses the same file. The head then trains on those features for ``steps`` steps of
+training corpus token stream, or with ``data`` of the target's own continuations — see
+:mod:`.continuations` — chosen by seed) and cached in the work dir's parent (``features/``, fp16); the MTP
+trainer reuses the same file. The head then trains on those features for ``steps`` steps of
 ``batch_size`` windows; batches are a pure function of (seed, step), so a resumed run sees the batches an
 uninterrupted one would. bf16 autocast on CPU, AdamW, warmup + cosine, a tqdm progress bar, checkpoints
 every ``ckpt_every`` steps (and on SIGINT/SIGTERM) under ``<work>/ckpt``; rerun the same command to resume.
@@ -14,6 +15,7 @@ with EAGLE-1's weights 1.0 / 0.1 and uniform noise U(-noise, noise) on the input
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -46,6 +48,7 @@ class HeadTrainArgs:
     threads: int = 2
     cache_dir: str | None = None      # token-stream cache (default: <work>/../cache)
     eval_windows: int = 16            # held-out windows for the final figures
+    data: str | None = None           # train on these continuations (training/continuations.py), not the corpus
     extra: dict = field(default_factory=dict)  # head-specific settings (noise, loss weights, heads, ...)
 
 
@@ -71,10 +74,12 @@ def _stream(target, split: str, cache_dir: Path):
 
 
 def ensure_features(target, split: str, n_windows: int, seq_len: int, seed: int, cache_dir: Path,
-                    feature_dir: Path, log=print, batch: int = 4) -> dict[str, torch.Tensor]:
+                    feature_dir: Path, log=print, batch: int = 4, stream: torch.Tensor | None = None
+                    ) -> dict[str, torch.Tensor]:
     """``{"tokens": [N, seq_len+1] int32, "features": [N, seq_len, H] fp16}``: N windows of the ``split``
-    token stream and the target's final-normed last hidden state at their first seq_len positions (bf16
-    autocast). Computed once per (target fingerprint, split, N, seq_len, seed) and cached as safetensors."""
+    token stream (or of ``stream``) and the target's final-normed last hidden state at their first seq_len
+    positions (bf16 autocast). Computed once per (target fingerprint, split or stream, N, seq_len, seed) and
+    cached as safetensors."""
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
@@ -83,11 +88,15 @@ def ensure_features(target, split: str, n_windows: int, seq_len: int, seed: int,
     from .data import batch_for_step
 
     fp = target_fingerprint(target)
-    path = feature_dir / f"features-{fp}-{split}-{n_windows}x{seq_len}-s{seed}.safetensors"
+    source = split
+    if stream is not None:  # named by its content, so other continuations never reuse these features
+        source = f"{split}-data{hashlib.sha256(stream.to(torch.int32).numpy().tobytes()).hexdigest()[:12]}"
+    path = feature_dir / f"features-{fp}-{source}-{n_windows}x{seq_len}-s{seed}.safetensors"
     if path.exists():
         log(f"features: reusing {path}")
         return load_file(str(path))
-    stream = _stream(target, split, cache_dir)
+    if stream is None:
+        stream = _stream(target, split, cache_dir)
     if stream.numel() < seq_len + 2:
         raise ValueError(f"the {split} stream has only {stream.numel()} tokens")
     tokens, feats = [], []
@@ -212,7 +221,14 @@ def _prepare(args: HeadTrainArgs, log):
     feature_dir = work.parent / "features"
     n_windows = max(args.batch_size, args.tokens // args.seq_len)
     torch.set_num_threads(args.threads)
-    data = ensure_features(target, "train", n_windows, args.seq_len, args.seed, cache, feature_dir, log)
+    stream = None
+    if args.data:
+        from .continuations import read_continuations
+
+        stream = read_continuations(args.data, target)
+        log(f"training on {stream.numel()} tokens of the target's continuations in {args.data}")
+    data = ensure_features(target, "train", n_windows, args.seq_len, args.seed, cache, feature_dir, log,
+                           stream=stream)
     return target, data, cache, feature_dir
 
 
@@ -228,10 +244,32 @@ def _finish(args: HeadTrainArgs, kind: str, module, target, res: dict, figures: 
                     "train_time_s": round(res.get("elapsed_s", 0.0), 1), "seq_len": args.seq_len,
                     "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed, **args.extra,
                     **{k: v for k, v in figures.items() if isinstance(v, (int, float))}}
+        if args.data:  # what it learnt from: the continuations' settings
+            meta = json.loads((Path(args.data) / "continuations.json").read_text())
+            training["data"] = {"continuations": {k: v for k, v in meta.items() if k != "fingerprint"}}
         save_head(args.out, kind, module.state_dict(), module.config, target, training=training, drafting=drafting)
         log(f"{kind}: exported -> {args.out}")
     log(json.dumps(res, default=str))
     return res
+
+
+def init_from(module: torch.nn.Module, kind: str, extra: dict, target) -> None:
+    """Continue from the trained head at ``extra["init"]`` (checked against this target and the module's
+    config); its drafting advice is kept and its training recorded beside the new one, in ``extra``."""
+    from specplug.heads import load_head
+
+    config, state = load_head(extra["init"], kind, target)
+    if config["head"] != module.config:
+        raise ValueError(f"{kind}: --init {extra['init']}: head config {config['head']} differs from the one "
+                         f"this target gets ({module.config})")
+    module.load_state_dict(state)
+    if config.get("drafting"):  # how the head drafts best (measured): kept unless measured again
+        extra["drafting"] = config["drafting"]
+    earlier = config.get("training", {})
+    extra["init"] = {"from": str(extra["init"]), "steps": earlier.get("steps"),
+                     "tokens_seen": earlier.get("tokens_seen"), "train_time_s": earlier.get("train_time_s"),
+                     "feature_tokens": earlier.get("feature_tokens"), "data": earlier.get("data"),
+                     "init": earlier.get("init")}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -357,20 +395,7 @@ def train_eagle(args: HeadTrainArgs, log=print) -> dict:
     target, data, cache, feature_dir = _prepare(args, log)
     head = EagleHead.for_target(target.model.config, seed=args.seed)
     if extra.get("init"):
-        # continue from a trained head (checked against this target); its training is recorded beside ours
-        from specplug.heads import load_head
-
-        config, state = load_head(extra["init"], KIND, target)
-        if config["head"] != head.config:
-            raise ValueError(f"eagle: --init {extra['init']}: head config {config['head']} differs from the one "
-                             f"this target gets ({head.config})")
-        head.load_state_dict(state)
-        if config.get("drafting"):  # how the head drafts best (measured): kept unless measured again
-            extra["drafting"] = config["drafting"]
-        earlier = config.get("training", {})
-        extra["init"] = {"from": str(extra["init"]), "steps": earlier.get("steps"),
-                         "tokens_seen": earlier.get("tokens_seen"), "train_time_s": earlier.get("train_time_s"),
-                         "feature_tokens": earlier.get("feature_tokens"), "init": earlier.get("init")}
+        init_from(head, KIND, extra, target)
     n_params = sum(p.numel() for p in head.parameters())
     log(f"eagle: head {n_params:,} params ({n_params * 2 / 1e6:.1f} MB fp16); "
         f"{data['tokens'].shape[0]} x {args.seq_len} feature windows")

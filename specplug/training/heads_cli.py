@@ -9,6 +9,10 @@ The bundled heads (common flags: --seq-len 512 --batch-size 8 --seed 1234 --eval
     then   --tokens 1048576 --steps 900 --lr 6e-4 --warmup 20 --init <the first>          (26 min)
     then   --tokens 1048576 --steps 300 --lr 3e-4 --warmup 10 --depth 3 --init <the second> (33 min;
            started with --steps 400, lowered to 300 at step 51 to fit the session)
+    then, on the target's own text (self-distillation):
+           specplug train continuations --out WORK/selfgen --cache-dir WORK/cache        (6 min; 2,048 x 208 tokens)
+           --tokens 409600 --steps 600 --lr 2e-4 --warmup 10 --depth 2 --ckpt-every 25
+           --data WORK/selfgen --init <the third>                                         (20 min)
     mtp    --tokens 262144 --steps 120 --lr 1e-3 --warmup 20 --heads 4 --share-lm-head  (24 min)
 
 The target's features for ``--tokens`` corpus positions are computed once into WORK/heads/features/ and
@@ -18,6 +22,8 @@ Attach to a click group with ``group.add_command(eagle_cmd)`` / ``group.add_comm
 ``add_head_commands(group)``).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import click
 
@@ -43,6 +49,9 @@ def _common(f):
         click.option("--threads", default=2, show_default=True),
         click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
                      help="token-stream cache (default: WORK_DIR/../cache)"),
+        click.option("--data", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="train on the target's own continuations made by `specplug train continuations` "
+                          "(self-distillation) instead of the corpus; held-out figures stay on the corpus"),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -84,17 +93,68 @@ def eagle_cmd(noise, feature_weight, prob_weight, depth, depth_decay, init, **kw
               help="project with the target's LM head (frozen, by reference) after a learned h x h map per "
                    "head, or train an own copy of the LM head per head (+ hidden x vocab parameters each)")
 @click.option("--decay", default=0.8, show_default=True, help="loss weight of head i is decay**i")
-def mtp_cmd(num_heads, num_layers, share_lm_head, decay, **kw):
+@click.option("--init", "init", type=click.Path(exists=True, file_okay=False), default=None,
+              help="start from these trained MTP heads (for the same target, same shape) instead of fresh ones")
+def mtp_cmd(num_heads, num_layers, share_lm_head, decay, init, **kw):
     """Train Medusa/MTP heads (head i predicts token t+2+i) for a frozen target."""
     from .mtp import train_mtp
 
-    train_mtp(_args({"num_heads": num_heads, "num_layers": num_layers, "share_lm_head": share_lm_head,
-                     "decay": decay}, **kw), log=click.echo)
+    extra = {"num_heads": num_heads, "num_layers": num_layers, "share_lm_head": share_lm_head, "decay": decay}
+    if init:
+        extra["init"] = init
+    train_mtp(_args(extra, **kw), log=click.echo)
+
+
+def _temperatures(ctx, param, value: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"a comma-separated list of temperatures, got {value!r}") from None
+    if any(v < 0 for v in values):
+        raise click.BadParameter(f"temperatures must be >= 0, got {value!r}")
+    return values
+
+
+@click.command("continuations")
+@click.option("--target", "target", default="zoo:pycode", show_default=True,
+              help="the frozen target: a zoo: name or a local model directory with its tokenizer")
+@click.option("--out", type=click.Path(file_okay=False), required=True,
+              help="directory for the chunks; rerun with the same settings to resume")
+@click.option("--sequences", default=2048, show_default=True)
+@click.option("--prefix-tokens", default=48, show_default=True, help="corpus window each sequence starts from")
+@click.option("--new-tokens", default=208, show_default=True, help="tokens the target adds to each")
+@click.option("--temperatures", default="0,1", show_default=True, callback=_temperatures,
+              help="row i samples at the (i mod n)-th, seed i; 0 is greedy")
+@click.option("--proposer", default="draft-model", show_default=True,
+              help="drafts for the target while it continues (exact, only faster); 'none': target-only")
+@click.option("-k", "--gamma", default=6, show_default=True)
+@click.option("--batch-size", default=16, show_default=True, help="sequences decoded together")
+@click.option("--seed", default=4242, show_default=True, help="picks the corpus windows")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="token-stream cache (default: OUT/../cache)")
+def continuations_cmd(target, out, temperatures, proposer, cache_dir, **kw):
+    """Self-distillation text for `train eagle|mtp --data`: corpus prefixes continued by the target itself."""
+    from .continuations import generate_continuations
+    from .data import token_stream
+    from .eagle import load_frozen_target
+    from .tokenizer import EOS
+
+    tgt = load_frozen_target(target)
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_file(str(tgt.path / "tokenizer.json")).token_to_id(EOS)
+    if eos is None:
+        raise click.UsageError(f"--target {target}: its tokenizer has no {EOS} token to separate documents")
+    cache = Path(cache_dir) if cache_dir else Path(out).resolve().parent / "cache"
+    stream = token_stream("train", tgt.path, cache)
+    generate_continuations(tgt, stream, eos, out, temperatures=temperatures,
+                           proposer=None if proposer == "none" else proposer, log=click.echo, **kw)
 
 
 def add_head_commands(group: click.Group) -> click.Group:
     group.add_command(eagle_cmd)
     group.add_command(mtp_cmd)
+    group.add_command(continuations_cmd)
     return group
 
 

@@ -1,8 +1,8 @@
 """Train Medusa/MTP heads for a frozen target on its cached features (see :mod:`.eagle` for the shared
 feature cache and the resumable loop).
 
-Head i at position t reads the target's feature f[t] and is trained with cross-entropy against the corpus
-token at t+2+i; the heads' losses are summed with weights ``decay**i`` (0.8, as in Medusa). Blocks start as
+Head i at position t reads the target's feature f[t] and is trained with cross-entropy against the token at
+t+2+i of the training text (the corpus, or with ``data`` the target's own continuations); the heads' losses are summed with weights ``decay**i`` (0.8, as in Medusa). Blocks start as
 the identity and projections as copies of the target's LM head (or the LM head itself, ``share_lm_head``).
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .eagle import HeadTrainArgs, _finish, _prepare, ensure_features, train_head
+from .eagle import HeadTrainArgs, _finish, _prepare, ensure_features, init_from, train_head
 
 MTP_DEFAULTS = {"num_heads": 3, "num_layers": 1, "share_lm_head": True, "decay": 0.8}
 
@@ -66,6 +66,8 @@ def train_mtp(args: HeadTrainArgs, log=print) -> dict:
     target, data, cache, feature_dir = _prepare(args, log)
     heads = MTPHeads.for_target(target.model, num_heads=extra["num_heads"], num_layers=extra["num_layers"],
                                 share_lm_head=extra["share_lm_head"])
+    if extra.get("init"):
+        init_from(heads, KIND, extra, target)
     n_params = sum(p.numel() for p in heads.parameters())
     log(f"mtp: {extra['num_heads']} heads, {n_params:,} own params ({n_params * 2 / 1e6:.1f} MB fp16), "
         f"share_lm_head={extra['share_lm_head']}; {data['tokens'].shape[0]} x {args.seq_len} feature windows")
