@@ -52,6 +52,9 @@ def generate_continuations(target, stream: torch.Tensor, eos: int, out_dir: str 
     seeded positions, cut to one document) by ``new_tokens`` of the target's own decoding. Row i samples at
     ``temperatures[i % len(temperatures)]`` with seed i (0: greedy). Decoded with ``proposer`` at γ =
     ``gamma``, ``batch_size`` rows at a time (``None``: target-only). Returns ``out_dir``."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
     import specplug
     from specplug.batch import generate_batch
 
@@ -78,9 +81,6 @@ def generate_continuations(target, stream: torch.Tensor, eos: int, out_dir: str 
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, stream.numel() - prefix_tokens - 1, (sequences,), generator=g).tolist()
     drafter = specplug.get_proposer(proposer, target=target) if proposer else None
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
     bar = tqdm(total=sequences, desc="continuations", dynamic_ncols=True, mininterval=5)
     for first in range(0, sequences, CHUNK):
         rows = range(first, min(first + CHUNK, sequences))
