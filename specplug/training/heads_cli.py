@@ -136,14 +136,14 @@ def _temperatures(ctx, param, value: str) -> tuple[float, ...]:
               help="token-stream cache (default: OUT/../cache)")
 def continuations_cmd(target, out, temperatures, proposer, cache_dir, **kw):
     """Self-distillation text for `train eagle|mtp --data`: corpus prefixes continued by the target itself."""
+    from tokenizers import Tokenizer
+
     from .continuations import generate_continuations
     from .data import token_stream
     from .eagle import load_frozen_target
     from .tokenizer import EOS
 
     tgt = load_frozen_target(target)
-    from tokenizers import Tokenizer
-
     eos = Tokenizer.from_file(str(tgt.path / "tokenizer.json")).token_to_id(EOS)
     if eos is None:
         raise click.UsageError(f"--target {target}: its tokenizer has no {EOS} token to separate documents")
