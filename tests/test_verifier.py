@@ -107,7 +107,8 @@ def test_k_zero_is_a_plain_target_step():
     assert verify(p, Proposal.empty()).tokens == [4]
 
 
-def test_batched_path_equals_unbatched_row_by_row():
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_batched_path_equals_unbatched_row_by_row(verification):
     g = torch.Generator().manual_seed(5)
     B, K = 16, 4
     p = torch.softmax(torch.randn(B, K + 1, V, generator=g), -1)
@@ -115,11 +116,11 @@ def test_batched_path_equals_unbatched_row_by_row():
     drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, K)
     lengths = torch.randint(0, K + 1, (B,), generator=g)
     u = torch.rand(B, K + 1, generator=g)
-    batch = verify_batch(p, drafts, q, lengths, uniforms=u)
+    batch = verify_batch(p, drafts, q, lengths, uniforms=u, verification=verification)
     for b in range(B):
         L = int(lengths[b])
         row_u = torch.cat([u[b, :L], u[b, K:]])
-        alone = verify(p[b, : L + 1], Proposal(drafts[b, :L], q[b, :L]), uniforms=row_u)
+        alone = verify(p[b, : L + 1], Proposal(drafts[b, :L], q[b, :L]), uniforms=row_u, verification=verification)
         assert batch.row(b) == alone.tokens and int(batch.accepted[b]) == alone.accepted
 
 

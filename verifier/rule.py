@@ -20,6 +20,8 @@ from .proposal import Proposal, ProposalError, Verdict
 Q_SUM_TOLERANCE = 1e-3
 # Below this mass the residual is numerically empty (p == q up to rounding); sample from p instead.
 RESIDUAL_MIN_MASS = 1e-6
+# How a chain is verified: token by token (Leviathan / Chen) or jointly (Sun et al.'s block verification).
+VERIFICATIONS = ("token", "block")
 
 
 def acceptance_probability(p_target_x: torch.Tensor, q_draft_x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +65,7 @@ def verify_batch(
     *,
     uniforms: torch.Tensor | None = None,
     validate: bool = True,
+    verification: str = "token",
 ) -> BatchVerdict:
     """Apply the rule to B rows at once.
 
@@ -72,7 +75,11 @@ def verify_batch(
     lengths: [B] number of drafted tokens per row (default K for every row).
     uniforms: [B, K+1] explicit U[0,1) draws (K for acceptance, 1 for the final sample); drawn from
         ``generator`` when omitted.
+    verification: "token" (the rule above, the default) or "block" (Sun et al.'s block verification,
+        :func:`specplug.verifier.block.verify_block_batch`: same inputs, same uniforms layout, exact too).
     """
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
     B, K1, V = p_target.shape
     K = K1 - 1
     device = p_target.device
@@ -83,7 +90,10 @@ def verify_batch(
     valid = torch.arange(K, device=device).unsqueeze(0) < lengths.unsqueeze(1)  # [B, K]
     safe_tokens = torch.where(valid, draft_tokens, 0)
     if validate:
-        _validate(draft_tokens, q_draft, lengths, valid, V)
+        validate_draft_rows(draft_tokens, q_draft, lengths, valid, V)
+    if verification == "block":
+        from .block import verify_block_batch  # block builds on this module's primitives
+        return verify_block_batch(p_target, safe_tokens, q_draft, lengths, uniforms)
 
     # 2. accept while u < min(1, p(x)/q(x)); a point-mass q has q(x) = 1.
     p_x = p_target[:, :K].gather(-1, safe_tokens.unsqueeze(-1)).squeeze(-1)
@@ -124,13 +134,16 @@ def validate_proposal(proposal: Proposal, vocab_size: int) -> None:
         raise ProposalError(f"q has shape {tuple(q.shape)} for {k} draft tokens; it must be [k, V] = [{k}, {vocab_size}] "
                             "(q rows must match the drafted tokens one to one)")
     tokens = proposal.tokens.unsqueeze(0)
-    _validate(tokens, None if q is None else q.unsqueeze(0), torch.full((1,), k, device=tokens.device),
+    validate_draft_rows(tokens, None if q is None else q.unsqueeze(0), torch.full((1,), k, device=tokens.device),
               torch.ones_like(tokens, dtype=torch.bool), vocab_size)
 
 
 def verify(p_target: torch.Tensor, proposal: Proposal, generator: torch.Generator | None = None, *,
-           uniforms: torch.Tensor | None = None, validate: bool = True) -> Verdict:
-    """Verify one sequence's proposal against ``p_target`` [k+1, V]; k = 0 is a plain target step."""
+           uniforms: torch.Tensor | None = None, validate: bool = True, verification: str = "token") -> Verdict:
+    """Verify one sequence's proposal against ``p_target`` [k+1, V]; k = 0 is a plain target step.
+
+    ``verification`` is "token" (default) or "block"; see :func:`verify_batch`.
+    """
     k = proposal.k
     if p_target.dim() != 2 or p_target.shape[0] != k + 1:
         raise ProposalError(f"p_target must have shape [k+1, V] = [{k + 1}, V] for {k} draft tokens, "
@@ -139,7 +152,8 @@ def verify(p_target: torch.Tensor, proposal: Proposal, generator: torch.Generato
         validate_proposal(proposal, p_target.shape[-1])
     q = None if proposal.q is None else proposal.q.unsqueeze(0)
     out = verify_batch(p_target.unsqueeze(0), proposal.tokens.unsqueeze(0), q, None, generator,
-                       uniforms=None if uniforms is None else uniforms.unsqueeze(0), validate=False)
+                       uniforms=None if uniforms is None else uniforms.unsqueeze(0), validate=False,
+                       verification=verification)
     return Verdict(accepted=int(out.accepted[0]), proposed=k, tokens=out.row(0))
 
 
@@ -161,15 +175,20 @@ def verify_greedy(target_argmax: torch.Tensor | list[int], proposal: Proposal) -
     return Verdict(accepted=accepted, proposed=len(drafts), tokens=drafts[:accepted] + [best[accepted]])
 
 
-def _validate(draft_tokens, q_draft, lengths, valid, V) -> None:
-    """Proposer bugs become ProposalErrors here rather than silently wrong samples."""
+def validate_draft_rows(draft_tokens: torch.Tensor, q_draft: torch.Tensor | None, lengths: torch.Tensor,
+                        valid: torch.Tensor, V: int, what: str = "position") -> None:
+    """Proposer bugs become ProposalErrors here rather than silently wrong samples.
+
+    ``draft_tokens`` [B, K], ``q_draft`` [B, K, V] or None, ``valid`` [B, K] marks the drafted entries; ``what``
+    names an entry in the messages ("position" for chains, "node" for trees).
+    """
     B, K = draft_tokens.shape
     if bool((lengths < 0).any()) or bool((lengths > K).any()):
         raise ProposalError(f"draft lengths must lie in [0, {K}], got {lengths.tolist()}")
     bad = valid & ((draft_tokens < 0) | (draft_tokens >= V))
     if bool(bad.any()):
         b, i = (int(v) for v in bad.nonzero()[0])
-        raise ProposalError(f"draft token id {int(draft_tokens[b, i])} at position {i} is outside the "
+        raise ProposalError(f"draft token id {int(draft_tokens[b, i])} at {what} {i} is outside the "
                             f"target vocabulary [0, {V})")
     if q_draft is None:
         return
@@ -182,11 +201,11 @@ def _validate(draft_tokens, q_draft, lengths, valid, V) -> None:
     bad = valid & ~row_ok
     if bool(bad.any()):
         b, i = (int(v) for v in bad.nonzero()[0])
-        raise ProposalError(f"q at position {i} is not a distribution (min {float(q[b, i].min()):.3g}, "
+        raise ProposalError(f"q at {what} {i} is not a distribution (min {float(q[b, i].min()):.3g}, "
                             f"sum {float(q[b, i].sum()):.6f})")
     q_x = q.gather(-1, torch.where(valid, draft_tokens, 0).unsqueeze(-1)).squeeze(-1)
     bad = valid & (q_x <= 0)
     if bool(bad.any()):
         b, i = (int(v) for v in bad.nonzero()[0])
-        raise ProposalError(f"draft token {int(draft_tokens[b, i])} at position {i} has q = 0: it cannot "
+        raise ProposalError(f"draft token {int(draft_tokens[b, i])} at {what} {i} has q = 0: it cannot "
                             f"have been drawn from the q the proposer reports")
