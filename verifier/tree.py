@@ -108,6 +108,13 @@ def ancestors(parents: torch.Tensor) -> torch.Tensor:
     return seen
 
 
+def earlier_siblings(parents: torch.Tensor) -> torch.Tensor:
+    """[n, n] bool: entry (i, j) is True iff node j is a sibling of node i tried before it (j < i, same parent)."""
+    n = parents.numel()
+    before = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril(-1)
+    return (parents[:, None] == parents[None, :]) & before
+
+
 @dataclass
 class TreeVerdict(Verdict):
     """A tree step's outcome: ``path`` the accepted nodes root to leaf (``accepted == len(path)``), ``tokens`` their
@@ -141,8 +148,7 @@ def validate_tree(tree: TreeProposal, vocab_size: int) -> None:
                                                                               device=tokens.device),
                         vocab_size, what="node")
     # a set drawn without replacement cannot repeat a token
-    repeat = ((parents[:, None] == parents[None, :]) & (tokens[:, None] == tokens[None, :]) &
-              (idx[None, :] < idx[:, None]) & tree.without_replacement[:, None])
+    repeat = earlier_siblings(parents) & (tokens[:, None] == tokens[None, :]) & tree.without_replacement[:, None]
     if bool(repeat.any()):
         i, j = (int(v) for v in repeat.nonzero()[0])
         raise ProposalError(f"node {i} repeats token {int(tokens[i])} of its earlier sibling {j}, but is declared "

@@ -112,23 +112,8 @@ def verify_tree_batch(p_target: torch.Tensor, tokens: torch.Tensor, parents: tor
     path = torch.full((B, depth), -1, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for level in range(depth + 1):
-        kids = children[rows, node + 1]  # [B, C] this row's current node's children in order of trial
-        chosen = torch.full((B,), -1, dtype=torch.long, device=device)
-        taken = torch.zeros(B, V, dtype=torch.bool, device=device)
-        for s in range(kids.shape[1]):
-            child = kids[:, s].clamp(min=0)
-            trying = (kids[:, s] >= 0) & (chosen < 0) & ~done
-            x = tokens[rows, child]
-            q_rows = (torch.nn.functional.one_hot(x, V).to(p_target.dtype) if q_draft is None
-                      else q_draft[rows, child].to(p_target.dtype))
-            q_sibling = sibling_draft_distribution(q_rows, taken, without_replacement[rows, child])  # 1.
-            ratio = acceptance_probability(residual.gather(-1, x[:, None]).squeeze(-1),
-                                           q_sibling.gather(-1, x[:, None]).squeeze(-1))
-            accept = trying & (uniforms[rows, child] < ratio)  # 2.
-            chosen = torch.where(accept, child, chosen)
-            rejected = trying & ~accept
-            residual = torch.where(rejected.unsqueeze(-1), next_residual(residual, q_sibling), residual)  # 3.
-            taken = taken | (torch.nn.functional.one_hot(x, V).bool() & trying.unsqueeze(-1))
+        kids = torch.where(done.unsqueeze(-1), -1, children[rows, node + 1])  # [B, C] in order of trial
+        chosen, residual = _try_children(residual, kids, tokens, q_draft, without_replacement, uniforms)
         moving = chosen >= 0  # 4.
         if level < depth:
             path[:, level] = chosen
@@ -177,6 +162,30 @@ def verify_tree_greedy(target_argmax: torch.Tensor | list[int], tree: TreePropos
     leaf = not bool((tree.parents == end).any())  # the root is a leaf of an empty tree
     return TreeVerdict(accepted=len(path), proposed=tree.n, tokens=tree.tokens[path].tolist() + [int(best[end + 1])],
                        path=path, bonus=leaf)
+
+
+def _try_children(residual: torch.Tensor, kids: torch.Tensor, tokens: torch.Tensor, q_draft: torch.Tensor | None,
+                  without_replacement: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lines 1-3 at one node per row: the accepted child (-1 if none) and the residual left after the rejections."""
+    B, V = residual.shape
+    rows = torch.arange(B, device=residual.device)
+    chosen = torch.full((B,), -1, dtype=torch.long, device=residual.device)
+    taken = torch.zeros(B, V, dtype=torch.bool, device=residual.device)  # tokens of the siblings tried so far
+    for s in range(kids.shape[1]):
+        child = kids[:, s].clamp(min=0)
+        trying = (kids[:, s] >= 0) & (chosen < 0)
+        x = tokens[rows, child]
+        x_hot = torch.nn.functional.one_hot(x, V)
+        q_rows = x_hot.to(residual.dtype) if q_draft is None else q_draft[rows, child].to(residual.dtype)
+        q_sibling = sibling_draft_distribution(q_rows, taken, without_replacement[rows, child])  # 1.
+        ratio = acceptance_probability(residual.gather(-1, x[:, None]).squeeze(-1),
+                                       q_sibling.gather(-1, x[:, None]).squeeze(-1))
+        accept = trying & (uniforms[rows, child] < ratio)  # 2.
+        chosen = torch.where(accept, child, chosen)
+        rejected = trying & ~accept
+        residual = torch.where(rejected.unsqueeze(-1), next_residual(residual, q_sibling), residual)  # 3.
+        taken = taken | (x_hot.bool() & trying.unsqueeze(-1))
+    return chosen, residual
 
 
 def _children_table(parents: torch.Tensor, num_nodes: torch.Tensor) -> tuple[torch.Tensor, int]:
