@@ -112,6 +112,8 @@ def verify_tree_batch(p_target: torch.Tensor, tokens: torch.Tensor, parents: tor
     path = torch.full((B, depth), -1, dtype=torch.long, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for level in range(depth + 1):
+        if bool(done.all()):  # every row has stopped: the deeper levels cannot change anything
+            break
         kids = torch.where(done.unsqueeze(-1), -1, children[rows, node + 1])  # [B, C] in order of trial
         chosen, residual = _try_children(residual, kids, tokens, q_draft, without_replacement, uniforms)
         moving = chosen >= 0  # 4.
@@ -172,8 +174,10 @@ def _try_children(residual: torch.Tensor, kids: torch.Tensor, tokens: torch.Tens
     chosen = torch.full((B,), -1, dtype=torch.long, device=residual.device)
     taken = torch.zeros(B, V, dtype=torch.bool, device=residual.device)  # tokens of the siblings tried so far
     for s in range(kids.shape[1]):
-        child = kids[:, s].clamp(min=0)
         trying = (kids[:, s] >= 0) & (chosen < 0)
+        if not bool(trying.any()):  # children are packed in rank order: no row has a sibling left to try
+            break
+        child = kids[:, s].clamp(min=0)
         x = tokens[rows, child]
         x_hot = torch.nn.functional.one_hot(x, V)
         q_rows = x_hot.to(residual.dtype) if q_draft is None else q_draft[rows, child].to(residual.dtype)
