@@ -7,6 +7,7 @@ its sibling, or positions not by depth, change p. Seeds are fixed, so every verd
 rules land far above EXACTNESS_ALPHA, the mutants far below.
 """
 import itertools
+import sys
 
 import pytest
 import torch
@@ -59,8 +60,9 @@ def tree_structure(shape):
 def draft_trees(shape, n, kind, gen):
     """n honest trees: every sibling set drawn from the draft at its parent's (true) context.
 
-    kind: "independent" (with replacement), "without" (successive sampling without replacement) or "top" (the
-    deterministic top-m tokens of the draft: point masses).
+    kind: "independent" (with replacement), "without" (successive sampling without replacement), "mixed" (the
+    root's children without replacement, deeper sets independent) or "top" (the deterministic top-m tokens of
+    the draft: point masses).
     """
     parents = tree_structure(shape)
     N = parents.numel()
@@ -69,22 +71,24 @@ def draft_trees(shape, n, kind, gen):
     ctx = torch.zeros(n, N + 1, dtype=torch.long)  # weight sum of each block row's context, row 0 the last token
     ctx[:, 0] = PREFIX_SUM + LAST + 1
     depth = torch.cat([torch.zeros(1, dtype=torch.long), ancestors(parents).sum(-1)])
+    flags = torch.zeros(n, N, dtype=torch.bool)
     i, level = 0, [-1]
-    for m in shape:
+    for depth_m, m in enumerate(shape):
+        without = kind == "without" or (kind == "mixed" and depth_m == 0)
         below = []
         for parent in level:
             rows = DRAFT[ctx[:, parent + 1] % S, (LAST_POS + depth[parent + 1]) % 2]
             if kind == "top":
                 drawn = rows.topk(m, -1).indices
             else:
-                drawn = torch.multinomial(rows, m, replacement=(kind == "independent"), generator=gen)
-            tokens[:, i:i + m] = drawn
+                drawn = torch.multinomial(rows, m, replacement=not without, generator=gen)
+            tokens[:, i:i + m], flags[:, i:i + m] = drawn, without
             q[:, i:i + m] = rows.unsqueeze(1)
             ctx[:, i + 1:i + m + 1] = ctx[:, parent + 1].unsqueeze(1) + weight(drawn)
             below += range(i, i + m)
             i += m
         level = below
-    return tokens, parents, (None if kind == "top" else q), torch.full((n, N), kind == "without")
+    return tokens, parents, (None if kind == "top" else q), flags
 
 
 def score(tokens, parents):
@@ -126,6 +130,25 @@ def pvalue(shape, kind, n=N_SAMPLES, seed=0):
 @pytest.mark.parametrize("kind", ["independent", "without", "top"])
 def test_tree_output_follows_the_target_for_every_way_of_drawing_siblings(shape, kind):
     assert pvalue(SHAPES[shape], kind) > EXACTNESS_ALPHA
+
+
+@pytest.fixture
+def truncated_target(monkeypatch):
+    """p as after top-k = 3 (zeros where the draft still has mass), q as after top-k = 4."""
+    def top(table, k):
+        kept = table * (table >= table.topk(k, -1).values[..., -1:])
+        return kept / kept.sum(-1, keepdim=True)
+    monkeypatch.setattr(sys.modules[__name__], "TABLE", top(TABLE, 3))
+    monkeypatch.setattr(sys.modules[__name__], "DRAFT", top(DRAFT, 4))
+
+
+@pytest.mark.parametrize("kind", ["independent", "without", "mixed", "top"])
+def test_tree_output_follows_a_truncated_target(kind, truncated_target):
+    assert pvalue(SHAPES["3x2"], kind) > EXACTNESS_ALPHA
+
+
+def test_tree_with_mixed_sibling_sets_follows_the_target():
+    assert pvalue(SHAPES["2x2x2"], "mixed") > EXACTNESS_ALPHA
 
 
 def test_chain_as_a_tree_gives_the_chain_rule_verdict():
