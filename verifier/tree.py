@@ -18,8 +18,9 @@ class TreeProposal:
     """n draft nodes in topological order (parent before child), siblings in the order they are to be tried.
 
     tokens: [n] drafted ids. parents: [n] index of each node's parent node, -1 for a child of the root (the
-    last emitted token). q: [n, V], row i the distribution node i was drawn from (for every sibling of a set
-    the same q, in general), or None for point masses (a deterministic drafter, e.g. top-k children).
+    last emitted token). q: [n, V], row i the distribution node i was drawn from (siblings usually share one
+    row; they may differ, e.g. candidates of several drafters), or None for point masses (a deterministic
+    drafter, e.g. the top-k children of a head).
     without_replacement: [n] bool (or one bool for all): node i was drawn from q_i *renormalised over the
     tokens not taken by its earlier siblings* (successive sampling without replacement, e.g.
     ``torch.multinomial(q, m, replacement=False)``); False: drawn from q_i independently of its siblings.

@@ -98,6 +98,9 @@ def verify_tree_batch(p_target: torch.Tensor, tokens: torch.Tensor, parents: tor
     """
     B, N1, V = p_target.shape
     N = N1 - 1
+    if tokens.shape != (B, N) or parents.shape != (B, N):
+        raise ProposalError(f"p_target {tuple(p_target.shape)} needs tokens and parents of shape [B, N] = [{B}, {N}], "
+                            f"got {tuple(tokens.shape)} and {tuple(parents.shape)}")
     device = p_target.device
     rows = torch.arange(B, device=device)
     num_nodes = torch.full((B,), N, device=device) if num_nodes is None else num_nodes.to(device)
