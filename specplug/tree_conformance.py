@@ -48,7 +48,8 @@ class TreeHonesty:
 def declared_laws(tree: TreeProposal) -> torch.Tensor:
     """[n, V] the law each node declares given its earlier siblings (renormalised where drawn without replacement)."""
     q = tree.q.double()
-    taken = (earlier_siblings(tree.parents).double() @ torch.nn.functional.one_hot(tree.tokens, q.shape[-1]).double()) > 0
+    drafted = torch.nn.functional.one_hot(tree.tokens, q.shape[-1]).double()
+    taken = (earlier_siblings(tree.parents).double() @ drafted) > 0  # tokens of each node's earlier siblings
     remaining = q * ~taken
     remaining = remaining / remaining.sum(-1, keepdim=True)
     return torch.where(tree.without_replacement.unsqueeze(-1), remaining, q)

@@ -162,7 +162,8 @@ def test_chain_as_a_tree_gives_the_chain_rule_verdict():
                 u = torch.rand(k + 1, generator=g)
                 chain = verify(p, proposal, uniforms=u)
                 tree = verify_tree(p, TreeProposal.chain(proposal), uniforms=u)
-                assert (tree.accepted, tree.tokens, tree.path) == (chain.accepted, chain.tokens, list(range(chain.accepted)))
+                want = (chain.accepted, chain.tokens, list(range(chain.accepted)))
+                assert (tree.accepted, tree.tokens, tree.path) == want
 
 
 def test_rejected_point_mass_siblings_are_never_the_residual_sample():
@@ -341,7 +342,8 @@ def test_harness_rejects_swapped_p_and_q(monkeypatch):
     (TreeProposal([1, 2], [-1, -2]), "earlier node"),
     (TreeProposal([1, 9], [-1, 0]), "outside the target vocabulary"),
     (TreeProposal([1, 1], [-1, -1], without_replacement=True), "repeats token 1 of its earlier sibling 0"),
-    (TreeProposal([1, 2], [-1, 0], torch.tensor([[0.0, 1.0, 0, 0, 0], [0.5, 0.5, 0.5, 0, 0]])), "node 1 is not a distribution"),
+    (TreeProposal([1, 2], [-1, 0], torch.tensor([[0.0, 1.0, 0, 0, 0], [0.5, 0.5, 0.5, 0, 0]])),
+     "node 1 is not a distribution"),
     (TreeProposal([1, 2], [-1, 0], torch.tensor([[0.0, 1.0, 0, 0, 0], [1.0, 0, 0, 0, 0]])), "node 1 has q = 0"),
     (TreeProposal([1, 2], [-1, 0], torch.full((3, V), 0.2)), r"\[n, V\]"),
 ])

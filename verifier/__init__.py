@@ -5,7 +5,7 @@ from .rule import (VERIFICATIONS, BatchVerdict, acceptance_probability, residual
 from .tree import TreeProposal, TreeVerdict, ancestors, earlier_siblings, validate_tree
 from .tree_rule import TreeBatchVerdict, stack_trees, verify_tree, verify_tree_batch, verify_tree_greedy
 
-__all__ = ["Proposal", "ProposalError", "Verdict", "BatchVerdict", "validate_proposal", "verify", "verify_batch", "verify_greedy",
-           "acceptance_probability", "residual_distribution", "VERIFICATIONS",
-           "TreeProposal", "TreeVerdict", "TreeBatchVerdict", "ancestors", "earlier_siblings", "validate_tree", "stack_trees", "verify_tree",
-           "verify_tree_batch", "verify_tree_greedy"]
+__all__ = ["Proposal", "ProposalError", "Verdict", "BatchVerdict", "validate_proposal", "verify", "verify_batch",
+           "verify_greedy", "acceptance_probability", "residual_distribution", "VERIFICATIONS",
+           "TreeProposal", "TreeVerdict", "TreeBatchVerdict", "ancestors", "earlier_siblings", "validate_tree",
+           "stack_trees", "verify_tree", "verify_tree_batch", "verify_tree_greedy"]

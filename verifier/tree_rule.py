@@ -13,8 +13,8 @@ A step emits 1..depth+1 tokens. Vectorised over rows; a Python loop over tree le
 Why exact (for either way of drawing): let R_j be the procedure "try siblings j, j+1, ..., else sample from the
 residual". Claim: its first token has law r_j, whatever x_1..x_{j-1} were. Given the history, x_j ~ q_j and
 r_{j+1} = norm(max(0, r_j - q_j)) depends on x_1..x_{j-1} only (through q_j), not on x_j. So
-  P(y) = q_j(y) min(1, r_j(y)/q_j(y)) + (1 - sum_x min(r_j, q_j)(x)) r_{j+1}(y) = min(r_j, q_j)(y) + max(0, r_j - q_j)(y)
-       = r_j(y),
+  P(y) = q_j(y) min(1, r_j(y)/q_j(y)) + (1 - sum_x min(r_j, q_j)(x)) r_{j+1}(y)
+       = min(r_j, q_j)(y) + max(0, r_j - q_j)(y) = r_j(y),
 using the claim for R_{j+1} and sum_x max(0, r_j - q_j) = 1 - sum_x min(r_j, q_j); with no sibling left R is a
 sample from r_j. Hence the emitted token follows p_target at the node. An accepted child's subtree was drafted
 given its path, independently of the coins, so by induction over depth every emitted token follows p given
@@ -33,7 +33,8 @@ from .rule import acceptance_probability, residual_distribution, sample_from_wei
 from .tree import TreeProposal, TreeVerdict, ancestors, validate_tree
 
 
-def sibling_draft_distribution(q_rows: torch.Tensor, taken: torch.Tensor, without_replacement: torch.Tensor) -> torch.Tensor:
+def sibling_draft_distribution(q_rows: torch.Tensor, taken: torch.Tensor,
+                               without_replacement: torch.Tensor) -> torch.Tensor:
     """Line 1: the law a sibling was drawn from, [B, V]: its q row, or that row renormalised over the tokens
     its earlier siblings did not take (``taken`` [B, V] bool) when it was drawn without replacement."""
     remaining = q_rows * ~taken
@@ -86,9 +87,10 @@ def stack_trees(trees: list[TreeProposal], vocab_size: int) -> dict[str, torch.T
     return {"tokens": tokens, "parents": parents, "q_draft": q, "without_replacement": flags, "num_nodes": num_nodes}
 
 
-def verify_tree_batch(p_target: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, q_draft: torch.Tensor | None,
-                      without_replacement: torch.Tensor | None = None, num_nodes: torch.Tensor | None = None,
-                      generator: torch.Generator | None = None, *, uniforms: torch.Tensor | None = None) -> TreeBatchVerdict:
+def verify_tree_batch(p_target: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                      q_draft: torch.Tensor | None, without_replacement: torch.Tensor | None = None,
+                      num_nodes: torch.Tensor | None = None, generator: torch.Generator | None = None, *,
+                      uniforms: torch.Tensor | None = None) -> TreeBatchVerdict:
     """Apply the tree rule to B padded trees (validate each with :func:`validate_tree` first; see :func:`stack_trees`).
 
     p_target: [B, N+1, V] processed target distributions at [last, node 0..N-1] (the tree scored in one pass).
