@@ -1,4 +1,4 @@
-"""A lean single-sequence forward for Llama-architecture models (drafters and targets), on HF's own weights.
+"""A lean single-sequence forward for Llama-family models (drafters and targets), on HF's own weights.
 
 Why: a drafter runs one token per call, and for a 1-layer model HF's per-call machinery (mask building,
 cache objects, output dataclasses, hooks) costs several times the arithmetic (measured: 1.4 ms per call for
@@ -21,6 +21,9 @@ import torch.nn.functional as F
 from . import few_rows
 from .int8_products import Int8Product
 
+# Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
+# lean_or_reason refuses (a sliding window a sequence can outgrow); each is still checked against HF's logits.
+FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Rotary variants whose cos/sin depend only on the position (a "dynamic" one rescales with sequence length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 # Up to this many new positions (a step, a verify pass of k + 1) attention runs one query at a time;
@@ -151,13 +154,16 @@ class Product:
 
 
 class LeanLayer:
-    """An HF ``LlamaDecoderLayer`` run for one sequence: q/k/v and gate/up each as one product.
+    """An HF decoder layer of the Llama family (:data:`FAMILY`) run for one sequence: q/k/v (with their biases,
+    Qwen2) and gate/up each as one product, q and k normed per head where the layer does so (Qwen3).
 
     ``one_row_copies`` (drafters, CPU float32) and ``int8`` (drafters: int8 copies of the products, the
     layer's own linear weights left untouched and unused): see :class:`Product`."""
 
     def __init__(self, layer: torch.nn.Module, one_row_copies: bool = False, int8: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
+        # Qwen3: an RMSNorm over each head's q and k before rotary (None elsewhere)
+        self.q_norm, self.k_norm = (Norm(attn.q_norm), Norm(attn.k_norm)) if hasattr(attn, "q_norm") else (None, None)
         self.layer, self.head_dim, self.scaling = layer, attn.head_dim, attn.scaling
         self.heads = attn.q_proj.weight.shape[0] // attn.head_dim
         self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
@@ -184,7 +190,10 @@ class LeanLayer:
         """Rotated q, k and v of rows x [N, h]: each [N, heads, head_dim] (rotary on q and k at once)."""
         H, G = self.heads, self.kv_heads
         qkv = self.qkv(self.norm_in(x)).view(x.shape[0], H + 2 * G, -1)
-        qk = _rotate(qkv[:, : H + G], cos[:, None], sin[:, None])
+        qk = qkv[:, : H + G]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
+        qk = _rotate(qk, cos[:, None], sin[:, None])
         return qk[:, :H], qk[:, H:], qkv[:, H + G:]
 
     def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -272,8 +281,8 @@ class LeanCache:
 
 
 class LeanLlama:
-    """The forward of an HF ``LlamaForCausalLM`` for one sequence, sharing its weights (only a drafter's
-    one-row copies, ``one_row_copies=True``, add memory: see :class:`Product`)."""
+    """The forward of an HF causal LM of the Llama family (:data:`FAMILY`) for one sequence, sharing its
+    weights (only a drafter's one-row copies, ``one_row_copies=True``, add memory: see :class:`Product`)."""
 
     def __init__(self, model: torch.nn.Module, one_row_copies: bool = False):
         self.model, self.one_row_copies = model, one_row_copies
@@ -358,16 +367,31 @@ class LeanLlama:
 
 
 def lean_or_reason(model: torch.nn.Module, one_row_copies: bool = False) -> tuple[LeanLlama | None, str]:
-    """A :class:`LeanLlama` for ``model`` if it is a plain Llama that the lean path reproduces, else the reason."""
-    if type(model).__name__ != "LlamaForCausalLM":
-        return None, f"lean path covers LlamaForCausalLM only, not {type(model).__name__}"
-    rope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
+    """A :class:`LeanLlama` for ``model`` if it is of the Llama family (:data:`FAMILY`) and the lean path
+    reproduces its logits on a probe, else None and the reason."""
+    name, config = type(model).__name__, model.config
+    if name not in FAMILY:
+        return None, f"lean path covers {', '.join(FAMILY)}, not {name}"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope not in STATIC_ROPE_TYPES:
         return None, f"rope type {rope!r} depends on the sequence length"
-    if getattr(model.config, "pretraining_tp", 1) not in (None, 1):
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return None, "pretraining_tp > 1"
+    window = _sliding_window(model)
+    if window is not None:
+        return None, (f"{name} with sliding_window={window} below max_position_embeddings="
+                      f"{getattr(config, 'max_position_embeddings', None)}: the lean path attends to every cached key")
     lean = LeanLlama(model, one_row_copies)
-    return (lean, "") if _agrees(model, lean) else (None, "lean logits differ from HF's on the probe")
+    return (lean, "") if _agrees(model, lean) else (None, f"lean logits differ from HF's on the probe ({name})")
+
+
+def _sliding_window(model: torch.nn.Module) -> int | None:
+    """The smallest attention window of any layer that a sequence within the model's positions can exceed."""
+    longest = getattr(model.config, "max_position_embeddings", None)
+    default = getattr(model.config, "sliding_window", None)  # Mistral's layers all use the config's window
+    windows = [getattr(layer.self_attn, "sliding_window", default) for layer in model.model.layers]
+    windows = [w for w in windows if w is not None and (longest is None or w < longest)]
+    return min(windows, default=None)
 
 
 def _agrees(model: torch.nn.Module, lean: LeanLlama) -> bool:
