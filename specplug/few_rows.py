@@ -8,9 +8,11 @@ probes, once per weight shape, dtype, device and thread count, the largest row c
 one-row products (:func:`identical_rows`), and computes larger products in pieces of that many rows. A one-row
 product is padded to two rows: BLAS's matrix-vector kernel sums in another order than its matrix kernel.
 
-On CPU in float32, products of up to MAX_ROWS rows run as ``weight @ xᵀ``: with torch 2.13's CPU BLAS,
-``F.linear`` over 2-4 rows of a large weight can cost several one-row products, and a verify pass costing more
-than a step is exactly what Leviathan's formula assumes away. Same arithmetic, another loop order.
+On CPU in float32, products of up to MAX_ROWS rows may run as ``weight @ xᵀ``: with torch 2.13's CPU BLAS on
+one machine ``F.linear`` over 2-4 rows of a large weight cost several one-row products (a verify pass costing
+more than a step is exactly what Leviathan's formula assumes away), on another ``weight @ xᵀ`` was the slower
+form. Which form a kind of weight takes is timed once per machine (:func:`specplug.machine.faster`, choice
+``few_rows_float32``), before any of its products is used, and kept for every row count.
 
 ``install(model, weight_dtype=torch.bfloat16)`` instead keeps the linear weights in bfloat16 and multiplies in it
 (inputs cast down, products cast back), while everything else — embeddings, norms, attention, the residual
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from . import machine
 
 MAX_ROWS = 16  # float32 CPU products up to this many rows run as weight @ xᵀ
 PROBE_ROWS = 64  # the most rows the probe checks: longer products run in pieces it has checked
@@ -55,13 +59,34 @@ def _key(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
     return tuple(weight.shape), weight.dtype, weight.device, bias is not None, torch.get_num_threads()
 
 
+TRANSPOSED = "weight @ x.T"
+_transposed: dict[tuple, bool] = {}
+
+
+def transposed(weight: torch.Tensor) -> bool:
+    """Whether float32 CPU products by ``weight`` of up to MAX_ROWS rows run as ``weight @ xᵀ`` rather than
+    ``F.linear``: the faster over 1, 2, 4 and 8 rows on this machine (timed once per shape and thread count)."""
+    key = tuple(weight.shape), torch.get_num_threads()
+    found = _transposed.get(key)
+    if found is None:
+        x = torch.randn(8, weight.shape[1], generator=torch.Generator().manual_seed(0))  # not the global rng
+        pieces = [torch.cat([x[:1], torch.zeros_like(x[:1])]), x[:2], x[:4], x]
+        forms = {TRANSPOSED: lambda: [torch.mm(weight, piece.T).T.contiguous() for piece in pieces],
+                 "F.linear": lambda: [F.linear(piece, weight) for piece in pieces]}
+        name = machine.faster("few_rows_float32", f"{weight.shape[0]}x{weight.shape[1]} cpu", forms, TRANSPOSED,
+                              weight.numel() * weight.element_size())
+        found = _transposed[key] = name == TRANSPOSED
+    return found
+
+
 def product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """One unsplit product of rows ``flat`` [N, in] (already in the weight's dtype): one row padded to two, and
-    float32 CPU products of up to MAX_ROWS rows as ``weight @ xᵀ``."""
+    float32 CPU products of up to MAX_ROWS rows in the form :func:`transposed` chose."""
     rows = flat.shape[0]
     if rows == 1:
         flat = torch.cat([flat, torch.zeros_like(flat)])
-    if weight.dtype == torch.float32 and weight.device.type == "cpu" and flat.shape[0] <= MAX_ROWS:
+    if weight.dtype == torch.float32 and weight.device.type == "cpu" and flat.shape[0] <= MAX_ROWS \
+            and transposed(weight):
         y = torch.mm(weight, flat.T).T[:rows].contiguous()
         return y if bias is None else y + bias
     return F.linear(flat, weight, bias)[:rows]
@@ -113,8 +138,9 @@ def probes() -> list[RowProbe]:
 
 
 def forget_probes() -> None:
-    """Drop what the probe found (the next product probes again), e.g. after swapping kernels in a test."""
+    """Drop what the probes found (the next product probes again), e.g. after swapping kernels in a test."""
     _probed.clear()
+    _transposed.clear()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

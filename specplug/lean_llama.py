@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import few_rows
+from . import few_rows, int8_products, machine
 from .int8_products import Int8Product
 
 # Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
@@ -118,15 +118,19 @@ def _fuse(first: torch.nn.Linear, *rest: torch.nn.Linear, share: bool = True) ->
     return weight, bias
 
 
+COPY = "column-major copy"
+
+
 class Product:
     """One linear map of a lean forward: ``x @ weight.T + bias`` through :func:`few_rows.linear`, or, where a
     one-row copy is kept, one-row inputs through a column-major copy of the weight.
 
-    Why the copy: for a drafter's small float32 matrices a one-row product through a column-major weight
-    takes half the time of few_rows' two-row padding while the weights are in cache (measured, 2 cores:
-    9 vs 18 µs for 768 × 256, 26 vs 39 µs for 2048 × 256), and as long once a target pass has evicted them;
-    products over several rows (batched drafting) stay fastest row-major. A drafter's arithmetic never
-    touches exactness (the verifier uses the q it reports), so the two forms need not round alike.
+    Why the copy: for a drafter's small float32 matrices a one-row product through a column-major weight can
+    take a fraction of the time of few_rows' two-row padding; products over several rows (batched drafting)
+    stay row-major. Whether it does is timed per shape on the machine at hand (:func:`specplug.machine.faster`,
+    choice ``one_row_copies``): ``one_row_copy=True`` keeps a copy only where it is the faster form. A
+    drafter's arithmetic never touches exactness (the verifier uses the q it reports), so the two forms need
+    not round alike.
 
     ``int8`` (drafters only): the product keeps only an int8 copy of the weight (see
     :mod:`specplug.int8_products`) and ``weight`` is None."""
@@ -137,7 +141,7 @@ class Product:
                  int8: bool = False):
         self.int8 = Int8Product(weight, bias) if int8 else None
         self.weight, self.bias = (None, None) if int8 else (weight, bias)
-        self.one_row = weight.t().contiguous().t() if one_row_copy and not int8 else None
+        self.one_row = _one_row_copy(weight, bias) if one_row_copy and not int8 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
@@ -151,6 +155,51 @@ class Product:
         if self.int8 is not None:
             return self.int8.nbytes()
         return 0 if self.one_row is None else self.one_row.numel() * self.one_row.element_size()
+
+
+def _one_row_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A column-major copy of ``weight`` where one-row products through it are the faster form here, else None."""
+    copy = weight.t().contiguous().t()
+    x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    forms = {COPY: lambda: F.linear(x, copy, bias), "few_rows": lambda: few_rows.linear(x, weight, bias)}
+    key = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')} {weight.device}"
+    chosen = machine.faster("one_row_copies", key, forms, COPY, weight.numel() * weight.element_size())
+    return copy if chosen == COPY else None
+
+
+def linear_shapes(module: torch.nn.Module) -> list[tuple[int, int]]:
+    """The weight shapes of a module's linear layers (what a drafter multiplies by, for :func:`drafting_weights`)."""
+    return [tuple(m.weight.shape) for m in module.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel()]
+
+
+def drafting_weights(shapes: Sequence[tuple[int, int]], device, dtype: torch.dtype, alternative: str,
+                     recommended: str | None = None, one_row_copies: bool = False) -> str:
+    """A drafter's default ``weights``: ``"int8"`` where torch's int8 kernel runs on ``device`` and int8 one-row
+    products by weights of ``shapes`` are not slower than ``dtype`` ones (:func:`int8_drafting_pays`), else
+    ``alternative``. ``recommended`` (a head's config, measured on some machine) is where the probe starts."""
+    if not int8_products.available(str(device)):
+        return alternative
+    prefer = recommended in (None, "int8")
+    return "int8" if int8_drafting_pays(shapes, device, dtype, one_row_copies=one_row_copies, prefer=prefer) \
+        else alternative
+
+
+def int8_drafting_pays(shapes: Sequence[tuple[int, int]], device, dtype: torch.dtype, *, one_row_copies: bool = False,
+                       prefer: bool = True) -> bool:
+    """Whether a drafter's one-row products by weights of ``shapes`` run faster through int8 copies (see
+    :mod:`specplug.int8_products`) than in ``dtype`` (with one-row copies where those pay) on ``device``: timed
+    once per machine (choice ``int8_drafting``), ``prefer`` (int8) standing unless the other is faster by more
+    than the margin. The caller checks that the int8 kernel runs on the device."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(*shape, generator=gen).to(device) for shape in shapes]
+    rows = [torch.randn(1, shape[1], generator=gen).to(device) for shape in shapes]
+    plain = [Product(w.to(dtype), one_row_copy=one_row_copies) for w in weights]
+    narrow = [Product(w, int8=True) for w in weights]
+    forms = {"int8": lambda: [p(x) for p, x in zip(narrow, rows)], "float": lambda: [p(x) for p, x in zip(plain, rows)]}
+    key = (f"{str(dtype).removeprefix('torch.')}{' one-row copies' if one_row_copies else ''} {device} "
+           + " ".join(f"{n}x{k}" for n, k in shapes))
+    nbytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
+    return machine.faster("int8_drafting", key, forms, "int8" if prefer else "float", nbytes) == "int8"
 
 
 class LeanLayer:

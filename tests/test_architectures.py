@@ -6,11 +6,12 @@ speculative sampling follows the target's exact distribution."""
 import pytest
 import torch
 from conftest import SMALL_V
-from tiny import ARCHITECTURES, make_architecture
+from tiny import ARCHITECTURES, make_architecture, private_machine_cache  # noqa: F401 (autouse)
 
 import specplug
 from specplug.proposers.draft_model import DraftModelProposer
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
+
 
 LEAN = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FALLBACK = {"gpt2": "GPT2LMHeadModel", "phi3": "Phi3ForCausalLM"}

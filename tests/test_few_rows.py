@@ -5,6 +5,8 @@ import torch
 import specplug
 from specplug import few_rows
 from specplug.target import KVState
+from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
+
 
 
 def test_few_rows_linear_equals_f_linear_for_every_row_count():

@@ -8,6 +8,8 @@ import specplug.lean_llama as lean_llama
 from specplug.lean_llama import lean_or_reason
 from specplug.proposers.draft_model import DraftModelProposer
 from specplug.target import KVState
+from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
+
 
 
 def test_lean_forward_matches_hf_through_steps_and_rollbacks(tiny_dirs):

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "for i in range(10):\n    print(i * i)\n",
@@ -80,3 +82,15 @@ def make_architecture(out: Path, kind: str, vocab_size: int, *, hidden: int = 32
     if tokenizer_from is not None:
         AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
     return Path(out)
+
+
+@pytest.fixture(autouse=True)
+def private_machine_cache(tmp_path, monkeypatch):
+    """Imported by a test module: the speed choices its tests probe are cached under each test's own directory
+    (never the user's ~/.cache/specplug), and no decision carries over from one test to the next."""
+    from specplug import machine
+
+    monkeypatch.setenv(machine.CACHE_ENV, str(tmp_path / "machine-cache"))
+    machine.forget()
+    yield
+    machine.forget()
