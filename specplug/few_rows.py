@@ -21,7 +21,7 @@ weight casts. Where the CPU has native bf16 products it halves the bytes a step 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -110,25 +110,29 @@ def _sensitive_inputs(out_features: int, in_features: int, dtype, device, bias: 
 def _probe(out_features: int, in_features: int, dtype, device, bias: bool) -> int:
     """The largest m <= PROBE_ROWS such that every product over 2..m rows gives each row's one-row product."""
     w, x, b = _sensitive_inputs(out_features, in_features, dtype, device, bias)
+    one: list[torch.Tensor] = []
     with torch.inference_mode():
-        one = torch.cat([product(x[i:i + 1], w, b) for i in range(PROBE_ROWS)])
         for m in range(2, PROBE_ROWS + 1):
-            if not torch.equal(product(x[:m], w, b), one[:m]):
+            one += [product(x[i:i + 1], w, b) for i in range(len(one), m)]
+            if not torch.equal(product(x[:m], w, b), torch.cat(one)):
                 return m - 1
     return PROBE_ROWS
 
 
 def identical_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
-    """How many rows a product by ``weight`` may have and still give each row's one-row product bit for bit
-    (probed on synthetic data of the weight's shape, dtype and device once per thread count; cached in memory).
-    1 means not even two rows do."""
+    """How many rows a product by ``weight`` may have and still give each row's one-row product bit for bit:
+    probed on synthetic data of the weight's shape, dtype and device once per thread count, and remembered per
+    machine (:func:`specplug.machine.remembered`). 1 means not even two rows do."""
     key = _key(weight, bias)
     found = _probed.get(key)
     if found is None:
         shape, dtype, device, has_bias, threads = key
-        rows = _probe(shape[0], shape[1], dtype, device, has_bias)
-        found = _probed[key] = RowProbe(shape[0], shape[1], str(dtype).removeprefix("torch."), str(device),
-                                        has_bias, threads, rows)
+        probe = RowProbe(shape[0], shape[1], str(dtype).removeprefix("torch."), str(device), has_bias, threads, 0)
+        where = f"{probe.dtype} {shape[0]}x{shape[1]}{' +bias' if has_bias else ''} {probe.device}"
+        rows = machine.remembered("identical_rows", where, lambda: str(_probe(shape[0], shape[1], dtype, device,
+                                                                              has_bias)),
+                                  lambda value: replace(probe, rows=int(value)).describe())
+        found = _probed[key] = replace(probe, rows=int(rows))
     return found.rows
 
 

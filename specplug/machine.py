@@ -18,6 +18,7 @@ verify pass round alike.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -31,14 +32,15 @@ import torch
 CACHE_ENV = "SPECPLUG_CACHE_DIR"
 OVERRIDE_ENV = "SPECPLUG_CHOICES"
 CACHE_FILE = "machine-choices.json"
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "CUDA_VISIBLE_DEVICES")
 MIN_BYTES = 1 << 20  # below this much weight a form's speed hardly matters: the default stands, unprobed
 
 
 @dataclass(frozen=True)
 class Choice:
-    """One decision: ``value`` (a form's name) for ``name`` at ``key``; ``source`` is "probe", "cache",
-    "override" (SPECPLUG_CHOICES), "default" (too small to probe), "option" (the caller's explicit option) or
-    "kernel" (a fact the kernels showed: few_rows' identical rows)."""
+    """One decision: ``value`` (a form's name, or a kernel fact) for ``name`` at ``key``; ``source`` is "probe"
+    (timed now), "cache" (the cache file), "override" (SPECPLUG_CHOICES), "default" (too small to probe),
+    "option" (the caller's explicit option) or "kernel" (a kernel fact measured now: few_rows' identical rows)."""
 
     name: str
     key: str
@@ -53,7 +55,7 @@ class Choice:
         return f"{self.name} [{self.key}]: {self.value} ({self.source}: {self.why})"
 
 
-_decided: dict[tuple[str, str], Choice] = {}
+_decided: dict[tuple[str, str, str], Choice] = {}  # (fingerprint, name, key): threads may change mid-process
 _disk: dict | None = None
 
 
@@ -63,16 +65,24 @@ def cache_path() -> Path:
     return Path(root) / CACHE_FILE
 
 
-def fingerprint() -> str:
-    """What a cached timing depends on besides the probed shapes: CPU, torch build and capability, threads."""
+@functools.lru_cache(maxsize=1)
+def _cpu() -> str:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+    return cpu
+
+
+def fingerprint() -> str:
+    """What a cached timing depends on besides the probed shapes: CPU, torch build and capability, threads."""
+    cpu = _cpu()
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()
-    return f"{cpu} | {capability} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    # settings that steer which kernels torch and oneDNN pick
+    steering = "".join(f" | {v}={os.environ[v]}" for v in KERNEL_ENV if os.environ.get(v))
+    return f"{cpu} | {capability} | torch {torch.__version__} | {torch.get_num_threads()} threads{steering}"
 
 
 def overrides() -> dict[str, str]:
@@ -115,7 +125,7 @@ def _store(entry: str, record: dict) -> None:
 
 def record(name: str, key: str, value: str, why: str, source: str) -> Choice:
     """Note a decision made elsewhere (an explicit option, a kernel fact) so :func:`machine_choices` lists it."""
-    choice = _decided[(name, key)] = Choice(name, key, value, why, source)
+    choice = _decided[(fingerprint(), name, key)] = Choice(name, key, value, why, source)
     return choice
 
 
@@ -144,7 +154,7 @@ def faster(name: str, key: str, forms: dict[str, Callable[[], object]], default:
         if pinned not in forms:
             raise ValueError(f"{OVERRIDE_ENV}: {name}={pinned!r} is not one of {', '.join(map(repr, forms))}")
         return record(name, key, pinned, f"{OVERRIDE_ENV}", "override").value
-    decided = _decided.get((name, key))
+    decided = _decided.get((fingerprint(), name, key))
     if decided is not None:
         return decided.value
     if nbytes < MIN_BYTES:
@@ -162,13 +172,25 @@ def faster(name: str, key: str, forms: dict[str, Callable[[], object]], default:
     return record(name, key, value, why, "probe").value
 
 
-def machine_choices() -> list[Choice]:
-    """Every choice this process has made (speed choices and the few-rows kernel facts), in order."""
-    from . import few_rows  # the kernel facts: few_rows depends on this module, not the other way round
+def remembered(name: str, key: str, measure: Callable[[], str], why: Callable[[str], str]) -> str:
+    """A fact about this machine's kernels (e.g. few_rows' identical rows): from memory, else the cache file,
+    else ``measure()`` (then stored); ``why(value)`` says what it means, for :func:`machine_choices`."""
+    decided = _decided.get((fingerprint(), name, key))
+    if decided is not None:
+        return decided.value
+    entry = f"{name} | {key}"
+    cached = _load().get(fingerprint(), {}).get(entry)
+    if cached is not None and isinstance(cached.get("value"), str):
+        return record(name, key, cached["value"], why(cached["value"]), "cache").value
+    value = measure()
+    _store(entry, {"value": value, "why": why(value)})
+    return record(name, key, value, why(value), "kernel").value
 
-    facts = [Choice("identical_rows", f"{p.dtype} {p.out_features}x{p.in_features}{' +bias' if p.bias else ''} "
-                    f"{p.device} {p.threads}t", str(p.rows), p.describe(), "kernel") for p in few_rows.probes()]
-    return list(_decided.values()) + facts
+
+def machine_choices() -> list[Choice]:
+    """Every choice this process has made and every kernel fact it relied on (few_rows' identical rows), in
+    order of first use."""
+    return list(_decided.values())
 
 
 def forget() -> None:

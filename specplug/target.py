@@ -76,10 +76,12 @@ def auto_matmul_dtype(model: torch.nn.Module, *, bundled: bool) -> torch.dtype |
         return None
     # keep a path whose verify passes give a one-token step's bits where one exists (see few_rows.identical_rows)
     shapes = {(m.weight.shape, m.bias is not None) for m in model.modules() if type(m) is torch.nn.Linear}
-    rows = {dtype: min((few_rows.identical_rows(torch.empty(shape, dtype=dtype), torch.empty(0) if bias else None)
-                        for shape, bias in shapes), default=few_rows.PROBE_ROWS)
-            for dtype in (torch.bfloat16, torch.float32)}
-    return torch.bfloat16 if rows[torch.bfloat16] >= 2 or rows[torch.float32] < 2 else None
+
+    def rows(dtype: torch.dtype) -> int:
+        return min((few_rows.identical_rows(torch.empty(shape, dtype=dtype), torch.empty(0) if bias else None)
+                    for shape, bias in shapes), default=few_rows.PROBE_ROWS)
+
+    return torch.bfloat16 if rows(torch.bfloat16) >= 2 or rows(torch.float32) < 2 else None
 
 
 class Target:
