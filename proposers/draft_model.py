@@ -18,9 +18,10 @@ from typing import Sequence
 import torch
 
 from specplug import draft_stop, int8_products, zoo
+from specplug.drafting_products import drafting_weights
 from specplug.drafting_vocab import Projection, read_ranks, same_subset, sampled_or_greedy, vocab_subset
 from specplug.plugins.hookspecs import hookimpl
-from specplug.lean_llama import LeanCache, Product, drafting_weights, lean_or_reason
+from specplug.lean_llama import LeanCache, Product, lean_or_reason
 from specplug.sampling import draw, multinomial
 from specplug.target import KVState, Target, load_causal_lm, load_tokenizer
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
@@ -53,7 +54,7 @@ class DraftModelProposer(Proposer):
         ``weights``: ``"loaded"`` multiplies by the weights as loaded (``dtype``); ``"int8"`` by weight-only int8
         copies of every product (see :mod:`specplug.int8_products`; needs the lean path, ``fast=True``). None
         (the default): int8 where the lean path runs, torch has the kernel for the device and int8 drafts faster
-        on this machine (timed once, :func:`specplug.lean_llama.drafting_weights`), else loaded."""
+        on this machine (timed once, :func:`specplug.drafting_products.drafting_weights`), else loaded."""
         if weights is not None and weights not in ("loaded", "int8"):
             raise ValueError(f"draft-model: weights must be 'loaded' or 'int8', got {weights!r}")
         if target is None:

@@ -27,7 +27,8 @@ from torch import nn
 from specplug import draft_stop, few_rows, heads, int8_products, zoo
 from specplug.drafting_vocab import (Projection, projection_onto, read_ranks, same_subset, sampled_or_greedy,
                                      vocab_subset)
-from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable, drafting_weights, linear_shapes
+from specplug.drafting_products import drafting_weights, linear_shapes
+from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import draw
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
@@ -161,7 +162,7 @@ class EagleProposer(Proposer):
         products, see :mod:`specplug.int8_products`; a subset's LM-head rows too), ``"target"`` (in the
         target's product dtype, bf16 for the zoo target, as the head was trained) or ``"float32"``. None: int8
         where torch has the kernel for the device and int8 drafts faster on this machine (timed once,
-        :func:`specplug.lean_llama.drafting_weights`; the head's ``drafting.weights`` recommendation, measured
+        :func:`specplug.drafting_products.drafting_weights`; the head's ``drafting.weights`` recommendation, measured
         on another machine, is where the probe starts), else the recommendation if not int8, else ``"target"``.
         ``stop_below``: end a draft after a token the head gives less than this probability (see
         :mod:`specplug.draft_stop`). None: the head's recommendation (``drafting.stop_below``), else off."""

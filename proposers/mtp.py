@@ -16,8 +16,9 @@ from one extra target forward in ``begin`` (``prompt_features=False`` skips that
 nothing, and the proposal depends on the history, not only on the sequence).
 
 Drafting runs the heads' products directly (no module calls), in int8 by default where torch has the kernel
-and it is the faster form on the machine (see :mod:`specplug.int8_products`), and projects onto a drafting vocabulary (see
-:mod:`specplug.drafting_vocab`): neither touches exactness, since each token is drawn from the q reported.
+and it is the faster form on the machine (see :mod:`specplug.drafting_products`), and projects onto a drafting
+vocabulary (see :mod:`specplug.drafting_vocab`): neither touches exactness, since each token is drawn from the q
+reported.
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from torch import nn
 from specplug import heads, int8_products, zoo
 from specplug.drafting_vocab import (full_q, projection_onto, read_ranks, same_subset, sampled_or_greedy,
                                      vocab_subset)
-from specplug.lean_llama import Product, drafting_weights, linear_shapes
+from specplug.drafting_products import drafting_weights, linear_shapes
+from specplug.lean_llama import Product
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import processed_probs, sample_rows
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
@@ -140,7 +142,7 @@ class MTPProposer(Proposer):
         recommendation (``drafting.vocab`` / ``drafting.sampled_vocab``), else all.
         ``weights``: ``"int8"`` (int8 copies of every drafting product) or ``"loaded"`` (the weights as loaded,
         the target's LM head as it multiplies). None: int8 where torch has the kernel for the device and int8
-        drafts faster on this machine (timed once, :func:`specplug.lean_llama.drafting_weights`; the heads'
+        drafts faster on this machine (timed once, :func:`specplug.drafting_products.drafting_weights`; the heads'
         ``drafting.weights`` recommendation is where the probe starts), else loaded."""
         if target is None:
             raise TypeError("mtp needs target= (the Target whose features it reads)")

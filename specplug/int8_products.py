@@ -5,7 +5,7 @@ quarter of float32's bytes. Whether that makes it faster depends on the machine 
 EAGLE head's drafting products went from 0.30 to 0.11 ms a token; ``python benchmarks/drafting_products.py``),
 and for small weights held in cache a float32 column-major product can win. So drafters take int8 by default
 only where a short probe on the machine at hand finds it faster
-(:func:`specplug.lean_llama.drafting_weights`, cached by :mod:`specplug.machine`).
+(:mod:`specplug.drafting_products`, cached by :mod:`specplug.machine`).
 
 Only drafters use it. A drafter's arithmetic never touches exactness — it samples its token from the q it
 reports, and the verifier corrects for q — so rounding its weights can only change how often drafts are

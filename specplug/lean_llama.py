@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import few_rows, int8_products, machine
+from . import few_rows, machine
 from .int8_products import Int8Product
 
 # Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
@@ -165,41 +165,6 @@ def _one_row_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     key = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')} {weight.device}"
     chosen = machine.faster("one_row_copies", key, forms, COPY, weight.numel() * weight.element_size())
     return copy if chosen == COPY else None
-
-
-def linear_shapes(module: torch.nn.Module) -> list[tuple[int, int]]:
-    """The weight shapes of a module's linear layers (what a drafter multiplies by, for :func:`drafting_weights`)."""
-    return [tuple(m.weight.shape) for m in module.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel()]
-
-
-def drafting_weights(shapes: Sequence[tuple[int, int]], device, dtype: torch.dtype, alternative: str,
-                     recommended: str | None = None, one_row_copies: bool = False) -> str:
-    """A drafter's default ``weights``: ``"int8"`` where torch's int8 kernel runs on ``device`` and int8 one-row
-    products by weights of ``shapes`` are not slower than ``dtype`` ones (:func:`int8_drafting_pays`), else
-    ``alternative``. ``recommended`` (a head's config, measured on some machine) is where the probe starts."""
-    if not int8_products.available(str(device)):
-        return alternative
-    prefer = recommended in (None, "int8")
-    return "int8" if int8_drafting_pays(shapes, device, dtype, one_row_copies=one_row_copies, prefer=prefer) \
-        else alternative
-
-
-def int8_drafting_pays(shapes: Sequence[tuple[int, int]], device, dtype: torch.dtype, *, one_row_copies: bool = False,
-                       prefer: bool = True) -> bool:
-    """Whether a drafter's one-row products by weights of ``shapes`` run faster through int8 copies (see
-    :mod:`specplug.int8_products`) than in ``dtype`` (with one-row copies where those pay) on ``device``: timed
-    once per machine (choice ``int8_drafting``), ``prefer`` (int8) standing unless the other is faster by more
-    than the margin. The caller checks that the int8 kernel runs on the device."""
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(*shape, generator=gen).to(device) for shape in shapes]
-    rows = [torch.randn(1, shape[1], generator=gen).to(device) for shape in shapes]
-    plain = [Product(w.to(dtype), one_row_copy=one_row_copies) for w in weights]
-    narrow = [Product(w, int8=True) for w in weights]
-    forms = {"int8": lambda: [p(x) for p, x in zip(narrow, rows)], "float": lambda: [p(x) for p, x in zip(plain, rows)]}
-    key = (f"{str(dtype).removeprefix('torch.')}{' one-row copies' if one_row_copies else ''} {device} "
-           + " ".join(f"{n}x{k}" for n, k in shapes))
-    nbytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
-    return machine.faster("int8_drafting", key, forms, "int8" if prefer else "float", nbytes) == "int8"
 
 
 class LeanLayer:
