@@ -27,6 +27,7 @@ from torch import nn
 from specplug import draft_stop, few_rows, heads, int8_products, zoo
 from specplug.drafting_vocab import (Projection, projection_onto, read_ranks, same_subset, sampled_or_greedy,
                                      vocab_subset)
+from specplug.drafting_products import drafting_weights, linear_shapes
 from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import draw
@@ -159,9 +160,10 @@ class EagleProposer(Proposer):
         2,048 tokens, 4.30 over all 8,192).
         ``weights``: how the head multiplies while drafting: ``"int8"`` (weight-only int8 copies of its
         products, see :mod:`specplug.int8_products`; a subset's LM-head rows too), ``"target"`` (in the
-        target's product dtype, bf16 for the zoo target, as the head was trained) or ``"float32"``. None: the
-        head's ``config.json`` recommendation (``drafting.weights``), else int8 where torch has the kernel
-        for the device, else ``"target"``.
+        target's product dtype, bf16 for the zoo target, as the head was trained) or ``"float32"``. None: int8
+        where torch has the kernel for the device and int8 drafts faster on this machine (timed once,
+        :func:`specplug.drafting_products.drafting_weights`; the head's ``drafting.weights`` recommendation, measured
+        on another machine, is where the probe starts), else the recommendation if not int8, else ``"target"``.
         ``stop_below``: end a draft after a token the head gives less than this probability (see
         :mod:`specplug.draft_stop`). None: the head's recommendation (``drafting.stop_below``), else off."""
         if target is None:
@@ -193,8 +195,12 @@ class EagleProposer(Proposer):
         sampled_vocab = sampled_or_greedy(sampled_vocab, recommended.get("sampled_vocab"), vocab)
         self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, KIND)
         self.sampled_subset = vocab_subset(sampled_vocab, ranks, ranks_file, target.vocab_size, KIND)
-        if weights is None:
-            weights = recommended.get("weights") or ("int8" if int8_products.available(str(target.device)) else "target")
+        if weights is None:  # int8 where it drafts faster here (the head's recommendation was measured elsewhere)
+            advice = recommended.get("weights")
+            alternative = advice if advice in ("target", "float32") else "target"
+            dtype = torch.float32 if alternative == "float32" else getattr(target, "matmul_dtype", None) or target.dtype
+            projection = (target.vocab_size if self.subset is None else len(self.subset), target.hidden_size)
+            weights = drafting_weights(linear_shapes(module) + [projection], target.device, dtype, alternative, advice)
         self.weights = int8_products.checked_weights(weights, ("int8", "target", "float32"), target.device, KIND,
                                                      "target")
         self.stop_below = draft_stop.threshold(stop_below, recommended.get("stop_below"), KIND)

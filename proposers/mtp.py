@@ -16,8 +16,9 @@ from one extra target forward in ``begin`` (``prompt_features=False`` skips that
 nothing, and the proposal depends on the history, not only on the sequence).
 
 Drafting runs the heads' products directly (no module calls), in int8 by default where torch has the kernel
-(see :mod:`specplug.int8_products`), and projects onto a drafting vocabulary (see
-:mod:`specplug.drafting_vocab`): neither touches exactness, since each token is drawn from the q reported.
+and it is the faster form on the machine (see :mod:`specplug.drafting_products`), and projects onto a drafting
+vocabulary (see :mod:`specplug.drafting_vocab`): neither touches exactness, since each token is drawn from the q
+reported.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from torch import nn
 from specplug import heads, int8_products, zoo
 from specplug.drafting_vocab import (full_q, projection_onto, read_ranks, same_subset, sampled_or_greedy,
                                      vocab_subset)
+from specplug.drafting_products import drafting_weights, linear_shapes
 from specplug.lean_llama import Product
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import processed_probs, sample_rows
@@ -139,8 +141,9 @@ class MTPProposer(Proposer):
         ``eagle`` (token ids, a count of the most frequent, or ``"all"``); None: the heads' ``config.json``
         recommendation (``drafting.vocab`` / ``drafting.sampled_vocab``), else all.
         ``weights``: ``"int8"`` (int8 copies of every drafting product) or ``"loaded"`` (the weights as loaded,
-        the target's LM head as it multiplies). None: the heads' recommendation (``drafting.weights``), else
-        int8 where torch has the kernel for the device."""
+        the target's LM head as it multiplies). None: int8 where torch has the kernel for the device and int8
+        drafts faster on this machine (timed once, :func:`specplug.drafting_products.drafting_weights`; the heads'
+        ``drafting.weights`` recommendation is where the probe starts), else loaded."""
         if target is None:
             raise TypeError("mtp needs target= (the Target whose features it reads)")
         self.target = target
@@ -176,8 +179,10 @@ class MTPProposer(Proposer):
         self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, KIND)
         self.sampled_subset = vocab_subset(sampled_vocab, ranks, ranks_file, target.vocab_size, KIND)
         self.vocab_size = target.vocab_size
-        if weights is None:
-            weights = recommended.get("weights") or ("int8" if int8_products.available(str(target.device)) else "loaded")
+        if weights is None:  # int8 where it drafts faster here (the heads' recommendation was measured elsewhere)
+            projection = (target.vocab_size if self.subset is None else len(self.subset), target.hidden_size)
+            weights = drafting_weights(linear_shapes(module) + [projection], target.device, target.dtype, "loaded",
+                                       recommended.get("weights"))
         self.weights = int8_products.checked_weights(weights, ("int8", "loaded"), target.device, KIND,
                                                      "loaded")
         int8 = self.weights == "int8"

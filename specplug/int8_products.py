@@ -1,10 +1,11 @@
 """Weight-only int8 products for drafters: each output row of a weight scaled into int8, inputs multiplied in bf16.
 
-Why: a drafter runs one row per call, and that product is bound by reading the weight. On the 2-core CPU
-(AVX-512 with bf16 and VNNI) a product here multiplies one float32 row by a 1536 × 512 weight in 0.018 ms,
-casts included, against 0.049 ms for the same weight in bf16 through ``F.linear`` (3072 × 512: 0.028 vs
-0.075 ms), so the zoo EAGLE head's drafting products go from 0.30 to 0.11 ms a token (weights in cache;
-``python benchmarks/drafting_products.py``).
+Why: a drafter runs one row per call, and that product is bound by reading the weight: an int8 weight is a
+quarter of float32's bytes. Whether that makes it faster depends on the machine (on the AMD machine the zoo
+EAGLE head's drafting products went from 0.30 to 0.11 ms a token; ``python benchmarks/drafting_products.py``),
+and for small weights held in cache a float32 column-major product can win. So drafters take int8 by default
+only where a short probe on the machine at hand finds it faster
+(:mod:`specplug.drafting_products`, cached by :mod:`specplug.machine`).
 
 Only drafters use it. A drafter's arithmetic never touches exactness — it samples its token from the q it
 reports, and the verifier corrects for q — so rounding its weights can only change how often drafts are

@@ -1,4 +1,4 @@
-"""A lean single-sequence forward for Llama-architecture models (drafters and targets), on HF's own weights.
+"""A lean single-sequence forward for Llama-family models (drafters and targets), on HF's own weights.
 
 Why: a drafter runs one token per call, and for a 1-layer model HF's per-call machinery (mask building,
 cache objects, output dataclasses, hooks) costs several times the arithmetic (measured: 1.4 ms per call for
@@ -18,9 +18,12 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import few_rows
+from . import few_rows, machine
 from .int8_products import Int8Product
 
+# Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
+# lean_or_reason refuses (a sliding window a sequence can outgrow); each is still checked against HF's logits.
+FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Rotary variants whose cos/sin depend only on the position (a "dynamic" one rescales with sequence length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 # Up to this many new positions (a step, a verify pass of k + 1) attention runs one query at a time;
@@ -115,15 +118,19 @@ def _fuse(first: torch.nn.Linear, *rest: torch.nn.Linear, share: bool = True) ->
     return weight, bias
 
 
+COPY = "column-major copy"
+
+
 class Product:
     """One linear map of a lean forward: ``x @ weight.T + bias`` through :func:`few_rows.linear`, or, where a
     one-row copy is kept, one-row inputs through a column-major copy of the weight.
 
-    Why the copy: for a drafter's small float32 matrices a one-row product through a column-major weight
-    takes half the time of few_rows' two-row padding while the weights are in cache (measured, 2 cores:
-    9 vs 18 µs for 768 × 256, 26 vs 39 µs for 2048 × 256), and as long once a target pass has evicted them;
-    products over several rows (batched drafting) stay fastest row-major. A drafter's arithmetic never
-    touches exactness (the verifier uses the q it reports), so the two forms need not round alike.
+    Why the copy: for a drafter's small float32 matrices a one-row product through a column-major weight can
+    take a fraction of the time of few_rows' two-row padding; products over several rows (batched drafting)
+    stay row-major. Whether it does is timed per shape on the machine at hand (:func:`specplug.machine.faster`,
+    choice ``one_row_copies``): ``one_row_copy=True`` keeps a copy only where it is the faster form. A
+    drafter's arithmetic never touches exactness (the verifier uses the q it reports), so the two forms need
+    not round alike.
 
     ``int8`` (drafters only): the product keeps only an int8 copy of the weight (see
     :mod:`specplug.int8_products`) and ``weight`` is None."""
@@ -134,7 +141,7 @@ class Product:
                  int8: bool = False):
         self.int8 = Int8Product(weight, bias) if int8 else None
         self.weight, self.bias = (None, None) if int8 else (weight, bias)
-        self.one_row = weight.t().contiguous().t() if one_row_copy and not int8 else None
+        self.one_row = _one_row_copy(weight, bias) if one_row_copy and not int8 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
@@ -150,14 +157,27 @@ class Product:
         return 0 if self.one_row is None else self.one_row.numel() * self.one_row.element_size()
 
 
+def _one_row_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A column-major copy of ``weight`` where one-row products through it are the faster form here, else None."""
+    copy = weight.t().contiguous().t()
+    x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    forms = {COPY: lambda: F.linear(x, copy, bias), "few_rows": lambda: few_rows.linear(x, weight, bias)}
+    key = f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')} {weight.device}"
+    chosen = machine.faster("one_row_copies", key, forms, COPY, weight.numel() * weight.element_size())
+    return copy if chosen == COPY else None
+
+
 class LeanLayer:
-    """An HF ``LlamaDecoderLayer`` run for one sequence: q/k/v and gate/up each as one product.
+    """An HF decoder layer of the Llama family (:data:`FAMILY`) run for one sequence: q/k/v (with their biases,
+    Qwen2) and gate/up each as one product, q and k normed per head where the layer does so (Qwen3).
 
     ``one_row_copies`` (drafters, CPU float32) and ``int8`` (drafters: int8 copies of the products, the
     layer's own linear weights left untouched and unused): see :class:`Product`."""
 
     def __init__(self, layer: torch.nn.Module, one_row_copies: bool = False, int8: bool = False):
         attn, mlp = layer.self_attn, layer.mlp
+        # Qwen3: an RMSNorm over each head's q and k before rotary (None elsewhere)
+        self.q_norm, self.k_norm = (Norm(attn.q_norm), Norm(attn.k_norm)) if hasattr(attn, "q_norm") else (None, None)
         self.layer, self.head_dim, self.scaling = layer, attn.head_dim, attn.scaling
         self.heads = attn.q_proj.weight.shape[0] // attn.head_dim
         self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
@@ -184,7 +204,10 @@ class LeanLayer:
         """Rotated q, k and v of rows x [N, h]: each [N, heads, head_dim] (rotary on q and k at once)."""
         H, G = self.heads, self.kv_heads
         qkv = self.qkv(self.norm_in(x)).view(x.shape[0], H + 2 * G, -1)
-        qk = _rotate(qkv[:, : H + G], cos[:, None], sin[:, None])
+        qk = qkv[:, : H + G]
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
+        qk = _rotate(qk, cos[:, None], sin[:, None])
         return qk[:, :H], qk[:, H:], qkv[:, H + G:]
 
     def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -272,8 +295,8 @@ class LeanCache:
 
 
 class LeanLlama:
-    """The forward of an HF ``LlamaForCausalLM`` for one sequence, sharing its weights (only a drafter's
-    one-row copies, ``one_row_copies=True``, add memory: see :class:`Product`)."""
+    """The forward of an HF causal LM of the Llama family (:data:`FAMILY`) for one sequence, sharing its
+    weights (only a drafter's one-row copies, ``one_row_copies=True``, add memory: see :class:`Product`)."""
 
     def __init__(self, model: torch.nn.Module, one_row_copies: bool = False):
         self.model, self.one_row_copies = model, one_row_copies
@@ -358,16 +381,31 @@ class LeanLlama:
 
 
 def lean_or_reason(model: torch.nn.Module, one_row_copies: bool = False) -> tuple[LeanLlama | None, str]:
-    """A :class:`LeanLlama` for ``model`` if it is a plain Llama that the lean path reproduces, else the reason."""
-    if type(model).__name__ != "LlamaForCausalLM":
-        return None, f"lean path covers LlamaForCausalLM only, not {type(model).__name__}"
-    rope = (getattr(model.config, "rope_parameters", None) or {}).get("rope_type", "default")
+    """A :class:`LeanLlama` for ``model`` if it is of the Llama family (:data:`FAMILY`) and the lean path
+    reproduces its logits on a probe, else None and the reason."""
+    name, config = type(model).__name__, model.config
+    if name not in FAMILY:
+        return None, f"lean path covers {', '.join(FAMILY)}, not {name}"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope not in STATIC_ROPE_TYPES:
         return None, f"rope type {rope!r} depends on the sequence length"
-    if getattr(model.config, "pretraining_tp", 1) not in (None, 1):
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return None, "pretraining_tp > 1"
+    window = _sliding_window(model)
+    if window is not None:
+        return None, (f"{name} with sliding_window={window} below max_position_embeddings="
+                      f"{getattr(config, 'max_position_embeddings', None)}: the lean path attends to every cached key")
     lean = LeanLlama(model, one_row_copies)
-    return (lean, "") if _agrees(model, lean) else (None, "lean logits differ from HF's on the probe")
+    return (lean, "") if _agrees(model, lean) else (None, f"lean logits differ from HF's on the probe ({name})")
+
+
+def _sliding_window(model: torch.nn.Module) -> int | None:
+    """The smallest attention window of any layer that a sequence within the model's positions can exceed."""
+    longest = getattr(model.config, "max_position_embeddings", None)
+    default = getattr(model.config, "sliding_window", None)  # Mistral's layers all use the config's window
+    windows = [getattr(layer.self_attn, "sliding_window", default) for layer in model.model.layers]
+    windows = [w for w in windows if w is not None and (longest is None or w < longest)]
+    return min(windows, default=None)
 
 
 def _agrees(model: torch.nn.Module, lean: LeanLlama) -> bool:

@@ -62,7 +62,9 @@ def auto_matmul_dtype(model: torch.nn.Module, *, bundled: bool) -> torch.dtype |
     """bfloat16 for a bundled (bf16-trained) float32 model on a CPU whose BLAS has native bf16 products.
 
     Other models keep their own dtype unless asked; where the CPU lacks native bf16, its products are
-    emulated and slower than float32."""
+    emulated and slower than float32. Where no bf16 product of the model's shapes has rows bit-identical to
+    one-row products (:func:`specplug.few_rows.identical_rows`) but float32 products do, float32 is kept, so
+    greedy speculative output stays equal to target-only output."""
     param = next(model.parameters())
     if not bundled or param.dtype != torch.float32 or param.device.type != "cpu":
         return None
@@ -70,7 +72,16 @@ def auto_matmul_dtype(model: torch.nn.Module, *, bundled: bool) -> torch.dtype |
         native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         native = False
-    return torch.bfloat16 if native else None
+    if not native:
+        return None
+    # keep a path whose verify passes give a one-token step's bits where one exists (see few_rows.identical_rows)
+    shapes = {(m.weight.shape, m.bias is not None) for m in model.modules() if type(m) is torch.nn.Linear}
+
+    def rows(dtype: torch.dtype) -> int:
+        return min((few_rows.identical_rows(torch.empty(shape, dtype=dtype), torch.empty(0) if bias else None)
+                    for shape, bias in shapes), default=few_rows.PROBE_ROWS)
+
+    return torch.bfloat16 if rows(torch.bfloat16) >= 2 or rows(torch.float32) < 2 else None
 
 
 class Target:
@@ -78,9 +89,10 @@ class Target:
 
     def __init__(self, model, tokenizer=None, name: str | None = None, few_rows_linear: bool = True,
                  lean: bool = True, matmul_dtype: torch.dtype | str | None = None):
-        """``few_rows_linear``: on CPU in float32, route the model's linear layers through
-        :mod:`specplug.few_rows` for 1-16 rows (a decoding step, a verify pass): a BLAS quirk otherwise makes
-        scoring 3 tokens cost 1.6 one-token steps. It changes the given model's modules in place.
+        """``few_rows_linear``: route the model's float32 linear layers through :mod:`specplug.few_rows`: each
+        row of a verify pass's product equal to a one-token step's where the probe finds such a row count
+        (``identical_rows`` says what it found), and on CPU fast on 1-16 rows, where a BLAS quirk otherwise
+        makes scoring 3 tokens cost 1.6 one-token steps. It changes the given model's modules in place.
 
         ``lean``: run single-sequence forwards (target-only decoding and speculative scoring alike) through
         :mod:`specplug.lean_llama` when the model is a Llama it reproduces — the same arithmetic without HF's
@@ -108,6 +120,8 @@ class Target:
             self.matmul_dtype = matmul_dtype
         elif few_rows_linear:
             few_rows.install(model)
+        # probed now, not in the first timed step: rows a product may have and keep one-row products' bits
+        self.identical_rows: int = few_rows.warm(model)
         self.lean, self.lean_note = lean_or_reason(model) if lean else (None, "lean=False")
 
     @classmethod

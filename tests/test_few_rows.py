@@ -5,6 +5,8 @@ import torch
 import specplug
 from specplug import few_rows
 from specplug.target import KVState
+from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
+
 
 
 def test_few_rows_linear_equals_f_linear_for_every_row_count():
@@ -50,16 +52,97 @@ def test_bf16_products_keep_linear_weights_narrow_and_everything_else_float32(ti
     assert not torch.equal(got, want)  # the products really ran in bf16
 
 
-def test_bf16_product_of_one_row_equals_that_row_of_a_many_row_product():
-    """A verify pass multiplies k + 1 rows where target-only decoding multiplies one: the rows must agree to the
-    last bit, or the two paths drift apart (oneDNN's one-row kernel sums in another order)."""
+def one_row_products(layer, x):
+    return torch.cat([layer(x[i:i + 1]) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_products_keep_one_row_bits_up_to_the_probed_count_and_in_pieces_beyond(dtype):
+    """A verify pass multiplies k + 1 rows (B·(k + 1) batched) where a step multiplies one. Wherever the probe
+    reports n > 1 identical rows, every product — over up to n rows, or split into pieces of n — gives each
+    row the bits of its one-row product. (What n is depends on the machine's kernels; it is not asserted.)"""
     torch.manual_seed(0)
     layer = torch.nn.Linear(1536, 512, bias=False)
-    assert few_rows.install(layer, weight_dtype=torch.bfloat16) == 1
-    x = torch.randn(40, 9, 1536)  # the one-row kernel's sums differ in a few of these 184,320 outputs
-    rows = torch.stack([torch.cat([layer(block[i:i + 1]) for i in range(9)]) for block in x])
-    for m in range(2, 10):
-        assert torch.equal(layer(x[:, :m]), rows[:, :m]), m
+    assert few_rows.install(layer, weight_dtype=dtype) == 1
+    n = few_rows.identical_rows(layer.weight)
+    assert 1 <= n <= few_rows.PROBE_ROWS
+    x = torch.randn(3 * few_rows.PROBE_ROWS + 5, 1536)
+    rows = one_row_products(layer, x)
+    for m in sorted({2, 3, n, n + 1, 2 * n + 3, x.shape[0]}):
+        got = layer(x[:m])
+        if n > 1:
+            assert torch.equal(got, rows[:m]), m
+        torch.testing.assert_close(got, rows[:m], atol=0.05, rtol=0.02)
+
+
+@pytest.fixture
+def fresh_probes():
+    few_rows.forget_probes()
+    yield
+    few_rows.forget_probes()
+
+
+def kernel_summing_backwards_above(rows: int, monkeypatch, calls: list | None = None):
+    """Make F.linear sum from the last input to the first for products over more than ``rows`` rows."""
+    real = torch.nn.functional.linear
+
+    def kernel(x, w, b=None):
+        if calls is not None:
+            calls.append(x.shape[0])
+        return real(x.flip(-1), w.flip(-1), b) if x.shape[0] > rows else real(x, w, b)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", kernel)
+
+
+def test_probe_finds_the_row_count_above_which_the_kernel_sums_in_another_order(monkeypatch, fresh_probes):
+    kernel_summing_backwards_above(5, monkeypatch)
+    weight = torch.randn(64, 256).to(torch.bfloat16)
+    assert few_rows.identical_rows(weight) == 5
+    x = torch.randn(23, 256)
+    rows = torch.cat([few_rows.linear(x[i:i + 1], weight) for i in range(23)])
+    assert torch.equal(few_rows.linear(x, weight), rows)  # split into pieces of 5
+    probe, = few_rows.probes()
+    assert (probe.rows, probe.out_features, probe.in_features, probe.dtype) == (5, 64, 256, "bfloat16")
+    assert "up to 5" in probe.describe()
+
+
+def test_a_kernel_that_agrees_only_on_two_rows_splits_products_into_pairs(monkeypatch, fresh_probes):
+    """A one-row product is padded to two rows, so two rows always agree; a kernel that sums in another order
+    from three rows on leaves pairs, and a 9-row product runs as five products."""
+    calls = []
+    kernel_summing_backwards_above(2, monkeypatch, calls)
+    weight = torch.randn(32, 128).to(torch.bfloat16)
+    assert few_rows.identical_rows(weight) == 2
+    calls.clear()
+    x = torch.randn(9, 128)
+    got = few_rows.linear(x, weight)
+    assert calls == [2, 2, 2, 2, 2]  # four pairs and a padded last row
+    assert torch.equal(got, torch.cat([few_rows.linear(x[i:i + 1], weight) for i in range(9)]))
+
+
+def test_probe_is_cached_per_shape_dtype_and_thread_count(fresh_probes):
+    a, b = torch.empty(48, 96, dtype=torch.bfloat16), torch.empty(48, 96, dtype=torch.bfloat16)
+    few_rows.identical_rows(a)
+    few_rows.identical_rows(b)
+    few_rows.identical_rows(a.float())
+    few_rows.identical_rows(a, bias=torch.zeros(48, dtype=torch.bfloat16))
+    assert len(few_rows.probes()) == 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        few_rows.identical_rows(a)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(p.threads for p in few_rows.probes()) == sorted([threads] * 3 + [threads + 1])
+
+
+def test_target_reports_the_rows_its_products_keep_bit_identical(tiny_dirs):
+    target = specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype="bfloat16")
+    shapes = {(tuple(m.weight.shape), m.weight.dtype) for m in target.model.modules()
+              if isinstance(m, torch.nn.Linear)}
+    found = {(p.out_features, p.in_features): p.rows for p in few_rows.probes() if p.dtype == "bfloat16"}
+    assert {shape for shape, dtype in shapes if dtype == torch.bfloat16} <= set(found)
+    assert target.identical_rows == min(found[shape] for shape, _ in shapes)
 
 
 def test_unknown_matmul_dtype_is_a_clear_error(tiny_dirs):

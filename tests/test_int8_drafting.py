@@ -10,6 +10,8 @@ from specplug.proposers.draft_model import DraftModelProposer
 from specplug.proposers.eagle import EagleProposer
 from specplug.proposers.mtp import MTPProposer
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
+from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
+
 
 PROMPT = [1, 2, 3, 4, 5, 0, 1, 2]
 SETTINGS = {

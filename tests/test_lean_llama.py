@@ -8,6 +8,8 @@ import specplug.lean_llama as lean_llama
 from specplug.lean_llama import lean_or_reason
 from specplug.proposers.draft_model import DraftModelProposer
 from specplug.target import KVState
+from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
+
 
 
 def test_lean_forward_matches_hf_through_steps_and_rollbacks(tiny_dirs):
@@ -78,11 +80,11 @@ def test_one_row_copies_change_only_the_layout_of_products(tiny_dirs):
 
 
 def test_lean_path_refuses_other_architectures_and_dynamic_rope(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     small = dict(vocab_size=20, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-    lean, why = lean_or_reason(MistralForCausalLM(MistralConfig(**small)).eval())
-    assert lean is None and "MistralForCausalLM" in why
+    lean, why = lean_or_reason(GPT2LMHeadModel(GPT2Config(vocab_size=20, n_embd=16, n_layer=1, n_head=2)).eval())
+    assert lean is None and "GPT2LMHeadModel" in why
     dynamic = LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     lean, why = lean_or_reason(LlamaForCausalLM(dynamic).eval())
     assert lean is None and "dynamic" in why

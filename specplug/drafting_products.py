@@ -1,0 +1,52 @@
+"""Which form a drafter's products take on the machine at hand: int8 copies or the float weights.
+
+A drafter multiplies one row at a time, so its products are bound by reading weights: int8 copies
+(:mod:`specplug.int8_products`) read a quarter of float32's bytes, but on some machines, and for small weights
+held in cache, float products (with one-row column-major copies, see :class:`specplug.lean_llama.Product`)
+are as fast or faster. :func:`drafting_weights` times both once per machine and drafter shape
+(:mod:`specplug.machine`, choice ``int8_drafting``). A drafter's arithmetic never touches exactness: it samples
+from the q it reports, and the verifier corrects for q.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import int8_products, machine
+from .lean_llama import Product
+
+
+def linear_shapes(module: torch.nn.Module) -> list[tuple[int, int]]:
+    """The weight shapes of a module's linear layers (what a drafter multiplies by, for :func:`drafting_weights`)."""
+    return [tuple(m.weight.shape) for m in module.modules() if isinstance(m, torch.nn.Linear) and m.weight.numel()]
+
+
+def drafting_weights(shapes: Sequence[tuple[int, int]], device, dtype: torch.dtype, alternative: str,
+                     recommended: str | None = None, one_row_copies: bool = False) -> str:
+    """A drafter's default ``weights``: ``"int8"`` where torch's int8 kernel runs on ``device`` and int8 one-row
+    products by weights of ``shapes`` are not slower than ``dtype`` ones (:func:`int8_drafting_pays`), else
+    ``alternative``. ``recommended`` (a head's config, measured on some machine) is where the probe starts."""
+    if not int8_products.available(str(device)):
+        return alternative
+    prefer = recommended in (None, "int8")
+    return "int8" if int8_drafting_pays(shapes, device, dtype, one_row_copies=one_row_copies, prefer=prefer) \
+        else alternative
+
+
+def int8_drafting_pays(shapes: Sequence[tuple[int, int]], device, dtype: torch.dtype, *, one_row_copies: bool = False,
+                       prefer: bool = True) -> bool:
+    """Whether a drafter's one-row products by weights of ``shapes`` run faster through int8 copies (see
+    :mod:`specplug.int8_products`) than in ``dtype`` (with one-row copies where those pay) on ``device``: timed
+    once per machine (choice ``int8_drafting``), ``prefer`` (int8) standing unless the other is faster by more
+    than the margin. The caller checks that the int8 kernel runs on the device."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(*shape, generator=gen).to(device) for shape in shapes]
+    rows = [torch.randn(1, shape[1], generator=gen).to(device) for shape in shapes]
+    plain = [Product(w.to(dtype), one_row_copy=one_row_copies) for w in weights]
+    narrow = [Product(w, int8=True) for w in weights]
+    forms = {"int8": lambda: [p(x) for p, x in zip(narrow, rows)], "float": lambda: [p(x) for p, x in zip(plain, rows)]}
+    key = (f"{str(dtype).removeprefix('torch.')}{' one-row copies' if one_row_copies else ''} {device} "
+           + " ".join(f"{n}x{k}" for n, k in shapes))
+    nbytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
+    return machine.faster("int8_drafting", key, forms, "int8" if prefer else "float", nbytes) == "int8"
