@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import platform
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -136,6 +137,7 @@ def run_compare(target: Target, specs: Sequence[ProposerSpec], workloads: Sequen
                 max_new_tokens: int = 64, repeats: int = 2, warmup: bool = True, peer: str | None = None,
                 progress: Callable[[int, str], None] | None = None) -> dict:
     """Run the matrix and return the report dict (schema ``specplug.compare/1``: compare.schema.json)."""
+    started = time.perf_counter()
     peer_spec = get_peer(peer) if peer else None
     specs, skipped = attachable(target, specs)
     runner = peer_spec.build(target, specs) if peer_spec else None
@@ -150,7 +152,9 @@ def run_compare(target: Target, specs: Sequence[ProposerSpec], workloads: Sequen
     settings = {"max_new_tokens": max_new_tokens, "repeats": repeats, "gammas": list(gammas),
                 "temperatures": list(temperatures), "peer": peer,
                 "workloads": [{"name": w.name, "prompts": len(w.prompts), "samples": w.samples} for w in workloads]}
-    return summarise(runs, target=target_info(target), settings=settings, skipped=skipped, memory=memory, ours=ours)
+    report = summarise(runs, target=target_info(target), settings=settings, skipped=skipped, memory=memory, ours=ours)
+    report["machine"]["wall_time_s"] = time.perf_counter() - started
+    return report
 
 
 def _warm_up(target, specs) -> None:

@@ -60,6 +60,8 @@ def notes(report: dict, wide: bool = False) -> list[str]:
     for c in _sorted_cells(report):
         if c.get("flags"):
             lines.append(f"busy! {c['proposer']} T={c['temperature']:g} γ={c['gamma']}: {BUSY} ({'; '.join(c['flags'])})")
+    if report["machine"].get("wall_time_s"):
+        lines.append(f"measured in {report['machine']['wall_time_s']:.0f} s on {report['machine']['threads']} thread(s)")
     for c in summary(report):
         lines.append(f"best at T={c['temperature']:g} on {c['workload']}: {c['proposer']} γ={c['gamma']}, {_speedup(c)}"
                      + (" (flagged)" if c.get("flags") else ""))
