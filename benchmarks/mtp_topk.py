@@ -5,7 +5,7 @@
 Decodes HumanEval prompts greedily with the target alone, then runs the heads (as loaded, float32) on the
 target's own features along that text: head i at position t should name the token at t + 2 + i. A chain
 drafts each head's top 1; a Medusa-style tree would try the top k of each head in one pass, so top-k
-accuracy bounds what such a tree could accept (the bundled heads: see the README's MTP paragraph).
+accuracy bounds what such a tree could accept (the bundled heads' figures: docs/performance.md).
 """
 from __future__ import annotations
 

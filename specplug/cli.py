@@ -143,15 +143,19 @@ def _numbers(text: str, kind=float) -> list:
 @click.option("--workload", "-w", "workload_specs", multiple=True, default=("humaneval",), show_default=True,
               help="humaneval, stdlib, repeated, or a JSONL file of {\"prompt\": ...} lines (repeatable).")
 @click.option("--prompts", "-n", "n_prompts", default=None, type=click.IntRange(min=1),
-              help="Prompts taken from each workload. Default: 3; for the load bench, one per request (as many as "
+              help="Prompts taken from each workload. Default: 4; for the load bench, one per request (as many as "
                    "--requests), since copies of a prompt decode alike and would move in step.")
 @click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1),
               help="Samples per prompt (repeated sampling; 'repeated' uses at least 5).")
-@click.option("--gammas", default="2,4,6", show_default=True, help="Comma-separated γ values.")
+@click.option("--gammas", default="4", show_default=True, help="Comma-separated γ values, e.g. 1,2,4,6,8.")
 @click.option("--temperatures", default="0,1", show_default=True, help="Comma-separated temperatures.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--peer", type=click.Choice(["hf"]), help="Also run Hugging Face's own assisted generation.")
+@click.option("--repeats", default=2, show_default=True, type=click.IntRange(min=1),
+              help="Times each run is repeated (same work, same seeds): what the intervals and the busy-machine "
+                   "check are made of.")
+@click.option("--peer", default=None, metavar="NAME",
+              help="Also run another engine on the same target and prompts: hf (Hugging Face's own assisted "
+                   "generation).")
 @click.option("--batch-sizes", default=None, metavar="1,2,4,8,16",
               help="Load bench instead: goodput and latency per batch size for no speculation, fixed γ and "
                    "the heuristic and cost-model policies, the latter cold (fresh per run) and warm (kept "
@@ -161,11 +165,12 @@ def _numbers(text: str, kind=float) -> list:
                    "steadier run per batch size.")
 @click.option("--html", "html_path", default="report.html", show_default=True, help="HTML report ('' for none).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema specplug.compare/1).")
+@click.option("--wide", is_flag=True, help="Print every column (v, tok/s, predictions, latency, ...).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
 @matmul_dtype_option
 def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, temperatures, max_new_tokens,
-            repeats, peer, batch_sizes, requests, html_path, as_json, device, dtype, matmul_dtype) -> None:
+            repeats, peer, batch_sizes, requests, html_path, as_json, wide, device, dtype, matmul_dtype) -> None:
     """Compare proposers side by side against target-only decoding on real workloads."""
     import specplug
     from specplug.bench import compare as bench
@@ -174,13 +179,17 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
 
     _quiet_transformers()
     try:
+        peer_spec = bench.get_peer(peer) if peer else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--peer") from exc
+    try:
         tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype, matmul_dtype=matmul_dtype)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"--target {target}: {exc}") from exc
     if n_prompts is None:
         # a load run's requests should be distinct: greedy copies of one prompt are one sequence decoded
         # several times, so their acceptance dips together and a batch looks burstier than real traffic
-        n_prompts = 3 if not batch_sizes else -(-(requests or max(_numbers(batch_sizes, int))) // len(workload_specs))
+        n_prompts = 4 if not batch_sizes else -(-(requests or max(_numbers(batch_sizes, int))) // len(workload_specs))
     try:
         specs = [bench.ProposerSpec.parse(s) for s in proposer_specs] or bench.all_proposer_specs()
         workloads = [load(w, n_prompts, samples) for w in workload_specs]
@@ -196,7 +205,7 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
                     repeats, as_json, err, requests)
         return
     attached, _ = bench.attachable(tgt, specs)
-    peer_runs = (1 + (2 if any(s.name == "draft-model" for s in attached) else 1) * len(gamma_list)) if peer else 0
+    peer_runs = peer_spec.runs_per_prompt(attached, gamma_list) if peer_spec else 0
     total = bench.count_runs(attached, workloads, gamma_list, temp_list, repeats, peer_runs)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("comparing", total=total)
@@ -208,9 +217,8 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        out = Console() if sys.stdout.isatty() else Console(width=200)
-        for t in rep.tables(result):
-            out.print(t)
+        width = None if sys.stdout.isatty() else (rep.WIDE_WIDTH if wide else rep.WIDTH)
+        rep.print_report(result, Console(width=width), wide=wide)
     if html_path:
         rep.write_html(result, html_path)
         err.print(f"report written to {html_path}")

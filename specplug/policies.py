@@ -71,8 +71,7 @@ class HeuristicPolicy(GammaPolicy):
 
 REMEASURE_AFTER = 32  # steps at a batch size after which a measured scoring cost counts as stale
 # drafted tokens a row in the two measuring steps: 2, not 1, so the drafting line's first point already
-# carries part of its slope and exploration reaches 5-6 tokens a step sooner (simulated, zoo-like costs,
-# α = 0.8, 50 seeds: +2.7% tokens/s over a 20-step run, +2.0% over 40, +0.3% over 200)
+# carries part of its slope (docs/policies.md, "Why it is built this way")
 MEASURE_K = 2
 LINE_DECAY = 0.95  # weight of older drafting steps in the fixed + per-pass fit (slower than α's: k must vary)
 
@@ -118,7 +117,7 @@ class _Line:
 
 def _memoised(method):
     """Within :meth:`MeasuredCosts.frozen`, each estimate is computed once per arguments (one choice asks for
-    the same ones dozens of times: ~80 µs a step, 1-2% of a step at batch 1-2, before memoising)."""
+    the same ones dozens of times)."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         memo = self._memo
@@ -139,9 +138,9 @@ class MeasuredCosts:
     - drafting: seconds of a step's drafting as a fixed part plus one per pass (one token in each of
       ``rows`` rows), by rows drafting; a per-row drafter costs ~rows passes, a batched one
       (``propose_batch``) much less. The fixed part is real: a step's first pass also feeds what the target
-      accepted and finds the drafter's weights evicted by the target's pass (zoo draft, batch 1: ~0.6 ms +
-      0.23 ms a token), so a per-token average taken at one k overprices longer drafts and underprices
-      shorter ones. Unseen row counts are interpolated (see :meth:`draft_time`).
+      accepted and finds the drafter's weights evicted by the target's pass, so a per-token average taken
+      at one k overprices longer drafts and underprices shorter ones. Unseen row counts are interpolated
+      (see :meth:`draft_time`).
     - scoring: seconds of the target's pass over n tokens per row at batch size B: a decayed mean per
       measured (n, B), made non-decreasing in n; between measured n interpolated, beyond them a line through
       the two nearest, at another B from the batch sizes around it, above them all a bilinear fit.
@@ -186,8 +185,8 @@ class MeasuredCosts:
         key = (scored, batch_size)
         expected = self.verify_time(scored, batch_size) if self._measured_at(batch_size) else None
         if expected is not None:
-            # a pause (the machine is shared) clipped at twice what the table expects, as for drafting: one
-            # 100 ms pass among 30 ms ones once kept k at 1 for the rest of a 30-step batch
+            # a pause (the machine is shared) clipped at twice the estimate, as for drafting: one outlier
+            # must not set k for the rest of a batch
             verify_time = min(verify_time, 2 * expected)
         # an old estimate weighs less against a new measurement (one per 8 steps it sat unmeasured)
         keep = self.decay ** max(1.0, self.age.get(key, 0) / 8)
@@ -198,8 +197,8 @@ class MeasuredCosts:
 
     def _fit_drafting(self) -> None:
         """Each row count's line; one whose passes have not varied enough to solve takes its fixed share from
-        the nearest row count's solved line. (Proportional from one k, a new row count's line priced k = 4 at
-        about twice its cost after k = 2, kept k at 2 and so never varied it.)"""
+        the nearest row count's solved line (priced proportionally from one k, it could lock k where it is:
+        docs/policies.md)."""
         solved = {r: fit for r, line in self._draft_lines.items() if (fit := line.solve()) is not None}
         for rows, line in self._draft_lines.items():
             nearest = min(solved, key=lambda r: (abs(r - rows), r), default=None)
@@ -212,8 +211,8 @@ class MeasuredCosts:
 
         A pass over more rows costs no less (measured passes are made non-decreasing in rows) and at most
         proportionally more: unmeasured row counts are interpolated between the nearest measured ones, below
-        them take the fewest rows' cost, above them scale it by rows. (A line through two noisy neighbours,
-        15 and 16 rows, once priced a 13-row pass at 5× a 16-row one and kept drafting off.)"""
+        them take the fewest rows' cost, above them scale it by rows (a line through two noisy neighbours
+        can price a nearby pass at several times its cost)."""
         if k <= 0:
             return 0.0
         if not self.draft_pass:
@@ -236,8 +235,8 @@ class MeasuredCosts:
     def _along_n(self, n: int, batch_size: int) -> float | None:
         """Scoring n tokens a row at this batch size from what was measured there alone: measured, between
         measured lengths interpolated, beyond the longest on the line through the two longest (never below
-        the longest); None below the shortest or with too little measured. (A line extrapolated down to one
-        token once priced a plain step at 0 s and turned drafting off for the rest of a batch.)"""
+        the longest); None below the shortest (a line extrapolated down can reach 0 s) or with too little
+        measured."""
         here = self._measured_at(batch_size)
         if not here or n < here[0][0]:
             return None
@@ -276,9 +275,9 @@ class MeasuredCosts:
         here = self._along_n(n, batch_size)
         if here is not None:
             return here
-        # Rows finished (the tail of a wave) or joined: a plain step and two measuring steps at each batch size
-        # a wave shrinks through once cost a 16-request wave a fifth of its steps, so estimate from the
-        # measured batch sizes around it; where one length was measured here, their shape at its level.
+        # Rows finished (the tail of a wave) or joined: estimate from the batch sizes measured around this one
+        # rather than measure every size a wave shrinks through; where one length was measured here, their
+        # shape at its level.
         around = self._across(n, batch_size)
         mine = self._measured_at(batch_size)
         if around is not None:
@@ -431,13 +430,10 @@ class CostModelPolicy(GammaPolicy):
         tokens = _step_tokens(alphas, max_ks, cap)
         rates = self._rates(tokens, max_ks, batch_size, cap)
         best = max(rates)
-        # Explore: a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago),
-        # if it would clearly win were that pass no dearer than a shorter one measured lately. A line through
-        # short passes misjudges long ones both ways (products jump where they outgrow the caches, and get
-        # cheaper per row where a faster kernel takes over), and a measurement never repeated can lock in a
-        # pause; so it is measured again, not trusted. Each such step at most doubles a measured length.
-        # Old measurements are re-measured only while drafting (``drafting``: the last choice was k > 0): with
-        # speculation off only probes spend steps.
+        # Explore a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago) if
+        # it would clearly win were that pass no dearer than a shorter one measured lately: a line through short
+        # passes misjudges long ones both ways, and a measurement never repeated can lock in a pause. Each such
+        # step at most doubles a measured length; with speculation off only probes spend steps.
         stale_after = REMEASURE_AFTER if drafting and not off else 1 << 62
         hopeful = self._rates(tokens, max_ks, batch_size, cap, stale_after)
         explore = max(range(cap + 1), key=lambda k: hopeful[k])
@@ -449,9 +445,8 @@ class CostModelPolicy(GammaPolicy):
             # would not repay that (and would flap on noise)
             return 0
         # No drafting where it is within 1% of the best: measured costs are noisy, and drafting that buys
-        # nothing should not win a tie. Among drafting lengths the best predicted (a tie margin there drafted
-        # shorter than the best static γ in every load run). Its scoring cost may be extrapolated; running it
-        # measures it, and the next step decides again.
+        # nothing should not win a tie. Among drafting lengths the best predicted, with no margin (one drafts
+        # too short: docs/policies.md). An extrapolated scoring cost is measured by running it.
         if rates[0] >= 0.99 * best:
             return 0
         return max(range(1, len(rates)), key=lambda k: rates[k])
@@ -477,8 +472,7 @@ class CostModelPolicy(GammaPolicy):
         (with ``hopeful``: and unmeasured longer passes cost no more than the longest measured one).
 
         If not, no α can make speculation pay at this batch size, so measuring drafting or probing α would
-        cost steps and change nothing (on 2 cores in float32 at batch 16 scoring 2 tokens a row costs ~2
-        plain steps). Unknown (True) while only plain steps are measured."""
+        cost steps and change nothing. Unknown (True) while only plain steps are measured."""
         cap = min(self.max_gamma, max(max_ks, default=0))
         if cap <= 0 or self.costs.verify_time(2, batch_size) is None:
             return cap > 0
@@ -556,7 +550,7 @@ class CostModelPolicy(GammaPolicy):
             if step is not self._last_step:
                 self._last_step = step
                 # drafting is a clean measurement only if no row's drafter had a backlog to catch up on (a row
-                # that joined brings its whole prompt: counted in, it priced drafting 8 rows up after each join)
+                # that joined brings its whole prompt)
                 clean = step["backlog_rows"] == 0 if "backlog_rows" in step else self._last_rows >= step["draft_rows"]
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
                                    step["scored"], clean, step["draft_rows"])
@@ -577,7 +571,7 @@ class CostModelPolicy(GammaPolicy):
         state["successes"] = self.decay * state["successes"] + accepted
         state["trials"] = self.decay * state["trials"] + trials
         # the proposer's running α, a ratio of decayed sums as per request: a mean of per-step ratios
-        # accepted / trials is biased low (0.61 where the per-position rate is 0.77, for γ = 4 drafts)
+        # accepted / trials is biased low
         proposer = seq.scratch.get("proposer", "")
         sums = self._proposer_sums.setdefault(proposer, [self.prior_alpha, 1.0])
         sums[0], sums[1] = 0.95 * sums[0] + accepted, 0.95 * sums[1] + trials

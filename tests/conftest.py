@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +13,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 import pytest
 from transformers.utils import logging as hf_logging
 
+from clean_tree import changes, snapshot
 from tiny import make_llama, make_tokenizer
 
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
 
+REPO = Path(__file__).resolve().parent.parent
 SMALL_V = 6  # small enough to enumerate the exact distribution of 3 tokens
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tree_stays_clean():
+    """Fail the session if any test wrote into the working tree or the directory the suite runs from."""
+    cwd = Path.cwd().resolve()
+    watched = {REPO: True} if cwd.is_relative_to(REPO) else {REPO: True, cwd: False}
+    before = {root: snapshot(root, recursive) for root, recursive in watched.items()}
+    yield
+    written = [f"{root}: {change}" for root, recursive in watched.items()
+               for change in changes(before[root], snapshot(root, recursive))]
+    if written:
+        pytest.fail("tests wrote outside their temporary directories:\n" + "\n".join(written), pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -54,15 +70,16 @@ def small_target(small_vocab_dirs):
     return specplug.Target.from_pretrained(small_vocab_dirs["target"])
 
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "specplug-bigram"
+EXAMPLE = REPO / "examples" / "specplug-bigram"
 
 
 @pytest.fixture(scope="session")
 def example_site(tmp_path_factory):
     """The example plugin pip-installed into its own directory (no network: no deps, no build isolation)."""
     site = tmp_path_factory.mktemp("site")
+    source = shutil.copytree(EXAMPLE, tmp_path_factory.mktemp("example") / EXAMPLE.name)  # builds write beside it
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(site), str(EXAMPLE)], check=True, timeout=300)
+                    "--target", str(site), str(source)], check=True, timeout=300)
     return site
 
 

@@ -1,5 +1,5 @@
-"""The bad-input table of the README, row by row: each is a clear error naming the culprit (or a documented,
-counted fallback), and nothing already generated is lost."""
+"""The bad-input table (docs/design.md, "Bad input"), row by row: each is a clear error naming the culprit (or a
+documented, counted fallback), and nothing already generated is lost."""
 import json
 
 import pytest

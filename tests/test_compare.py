@@ -1,13 +1,20 @@
-"""specplug compare on tiny models: JSON that matches the documented schema, an HTML page with every plot,
-and proposers that cannot attach are skipped, not fatal."""
+"""specplug compare: on tiny models, JSON that matches the documented schema, an HTML page that opens on
+the summary and every plot, proposers that cannot attach skipped, not fatal; on synthetic runs, intervals
+that say how sure a speed-up is and flags on the cells a busy machine explains better than the decoder."""
+import io
 import json
 from importlib import resources
 
 import jsonschema
+import numpy as np
 from click.testing import CliRunner
+from rich.console import Console
 
-from specplug.bench.report import PLOTS
+from specplug.bench import confidence
+from specplug.bench.compare import Run, summarise
+from specplug.bench.report import PLOTS, WIDTH, notes, tables
 from specplug.cli import main
+from specplug.metrics import GenerationStats
 
 
 def test_tiny_compare_run_yields_schema_json_and_html_with_every_plot(tiny_dirs, tmp_path):
@@ -26,13 +33,17 @@ def test_tiny_compare_run_yields_schema_json_and_html_with_every_plot(tiny_dirs,
     assert {s["proposer"] for s in report["skipped"]} == {"no-such-proposer", "draft-model:model=/nowhere"}
     cells = {(c["proposer"].split(":")[0], c["temperature"], c["gamma"]) for c in report["cells"]}
     assert cells == {(p, t, g) for p in ("draft-model", "ngram") for t in (0.0, 1.0) for g in (1, 3)}
-    assert all(c["runs"] == 2 for c in report["cells"])
+    assert all(c["runs"] == 2 * 2 for c in report["cells"])  # 2 prompts, 2 repeats by default
+    assert all(c["speedup_interval"][0] <= c["speedup"] <= c["speedup_interval"][1] for c in report["cells"])
     greedy = [c for c in report["cells"] if c["temperature"] == 0]
     assert all(c["greedy_equal_to_target_only"] is True for c in greedy)
     page = html.read_text()
     for plot in PLOTS:
         assert f'id="{plot}"' in page
     assert page.count("data:image/png;base64,") == len(PLOTS)
+    # the first screen: the summary, then the plots; settings and raw JSON folded away at the end
+    assert page.index("best proposer") < page.index('id="speedup_vs_gamma"') < page.index("<details>")
+    assert page.index("<details><summary>Settings") < page.index("<details><summary>Raw report")
 
 
 def test_hf_peer_runs_on_the_same_prompts_and_its_greedy_tokens_equal_ours(tiny_dirs, tmp_path):
@@ -41,7 +52,7 @@ def test_hf_peer_runs_on_the_same_prompts_and_its_greedy_tokens_equal_ours(tiny_
     result = CliRunner().invoke(main, [
         "compare", "--target", str(tiny_dirs["target"]), "-p", f"draft-model:model={tiny_dirs['draft']}",
         "-p", "ngram", "-w", str(prompts), "--gammas", "2", "--temperatures", "0", "--max-new-tokens", "16",
-        "--peer", "hf", "--json"], catch_exceptions=False)
+        "--peer", "hf", "--json", "--html", str(tmp_path / "report.html")], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     peer = {p["peer"]: p for p in json.loads(result.stdout)["peer"]}
     assert set(peer) == {"hf-target-only", "hf-assisted", "hf-prompt-lookup"}
@@ -49,9 +60,33 @@ def test_hf_peer_runs_on_the_same_prompts_and_its_greedy_tokens_equal_ours(tiny_
     assert all(p["greedy_equal_to_ours"] is True and p["ours_over_peer"] > 0 for p in peer.values())
 
 
-def test_compare_rejects_an_unknown_workload(tiny_dirs):
-    result = CliRunner().invoke(main, ["compare", "--target", str(tiny_dirs["target"]), "-w", "nonsense"])
+def test_compare_rejects_an_unknown_workload(tiny_dirs, tmp_path):
+    result = CliRunner().invoke(main, ["compare", "--target", str(tiny_dirs["target"]), "-w", "nonsense",
+                                       "--html", str(tmp_path / "report.html")])
     assert result.exit_code != 0 and "unknown workload 'nonsense'" in result.output
+
+
+def test_compare_rejects_an_unknown_peer_naming_the_known_ones(tiny_dirs, tmp_path):
+    result = CliRunner().invoke(main, ["compare", "--target", str(tiny_dirs["target"]), "--peer", "nope",
+                                       "--html", str(tmp_path / "report.html")])
+    assert result.exit_code != 0 and "unknown peer 'nope'; known: hf" in result.output
+
+
+def test_default_table_fits_120_columns_and_explains_its_ratio(tiny_dirs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    args = ["compare", "--target", str(tiny_dirs["target"]), "-p", f"draft-model:model={tiny_dirs['draft']}",
+            "-p", "ngram", "-w", str(prompts), "--gammas", "2", "--max-new-tokens", "8",
+            "--html", str(tmp_path / "report.html")]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= WIDTH
+    assert any(line.startswith("meas/pred:") for line in lines)
+    header = next(line for line in lines if "speed-up" in line)
+    assert "meas/pred" in header and "p99" not in header
+    wide = CliRunner().invoke(main, args + ["--wide"], catch_exceptions=False)
+    assert "p99 ms" in wide.stdout and "meas/pred(v=1)" in wide.stdout
 
 
 def test_load_bench_reports_goodput_per_batch_size_with_policies(tiny_dirs, tmp_path):
@@ -59,7 +94,8 @@ def test_load_bench_reports_goodput_per_batch_size_with_policies(tiny_dirs, tmp_
     prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os\\n"}\n')
     result = CliRunner().invoke(main, [
         "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "-w", str(prompts), "--gammas", "2",
-        "--max-new-tokens", "8", "--batch-sizes", "1,2", "--repeats", "1", "--requests", "3", "--json"],
+        "--max-new-tokens", "8", "--batch-sizes", "1,2", "--repeats", "1", "--requests", "3", "--json",
+        "--html", str(tmp_path / "report.html")],
         catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -69,14 +105,111 @@ def test_load_bench_reports_goodput_per_batch_size_with_policies(tiny_dirs, tmp_
         assert label in text
 
 
-def test_load_bench_takes_one_prompt_per_request_unless_told(tiny_dirs):
+def test_load_bench_takes_one_prompt_per_request_unless_told(tiny_dirs, tmp_path):
     def prompts_used(*extra):
         result = CliRunner().invoke(main, [
             "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "--gammas", "2", "--max-new-tokens", "4",
-            "--batch-sizes", "2", "--repeats", "1", "--requests", "5", "--json", *extra], catch_exceptions=False)
+            "--batch-sizes", "2", "--repeats", "1", "--requests", "5", "--json",
+            "--html", str(tmp_path / "report.html"), *extra], catch_exceptions=False)
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout)["settings"]["prompts"]
 
     # copies of a prompt would decode alike and move in step, a burstier load than distinct requests
     assert prompts_used() == 5
     assert prompts_used("-n", "2") == 2
+
+
+# --- synthetic runs: figures whose truth is known -------------------------------------------------------
+
+STEP = 0.006  # a target-only step, seconds
+
+
+def _run(tokens: int, gamma: int, accepted: int, c: float, v: float, slow: float = 1.0) -> Run:
+    """A run of ``tokens`` tokens: steps drafting γ and keeping ``accepted``; drafting c and scoring v in
+    target-only steps; everything ``slow`` times slower (another process on the cores)."""
+    stats = GenerationStats(prompt_tokens=20)
+    emitted = accepted + 1
+    for _ in range(tokens // emitted):
+        draft, score = gamma * c * STEP * slow, (v if gamma else 1.0) * STEP * slow
+        stats.record_step(gamma, gamma, accepted, emitted, draft + score)
+        stats.draft_time += draft
+        stats.target_time += score
+    stats.wall_time = sum(stats.step_times)
+    return Run(stats, list(range(stats.new_tokens)))
+
+
+def _report(repeats=2, prompts=5, base_slow=lambda rep, pi: 1.0, cell_slow=lambda label, rep, pi: 1.0,
+            cells=(("draft-model", 4, 2, 0.05, 1.1), ("ngram", 4, 0, 0.01, 1.1))):
+    """One greedy workload; prompt i's work is a little longer or shorter, as real prompts are."""
+    runs = {}
+    for rep in range(repeats):
+        for pi in range(prompts):
+            pair, length = ("w", pi, 0, rep, 0.0), 1 + 0.05 * (pi % 3)
+            runs.setdefault(("baseline", "w", 0.0), []).append((pair, _run(60, 0, 0, 0, 1, length * base_slow(rep, pi))))
+            for label, g, acc, c, v in cells:
+                runs.setdefault((label, "w", 0.0, g), []).append(
+                    (pair, _run(60, g, acc, c, v, length * cell_slow(label, rep, pi))))
+    settings = {"max_new_tokens": 60, "repeats": repeats, "gammas": [4], "temperatures": [0.0], "peer": None,
+                "workloads": [{"name": "w", "prompts": prompts, "samples": 1}]}
+    report = summarise(runs, target={"name": "synthetic", "parameters": 0, "device": "cpu", "dtype": "float32"},
+                       settings=settings)
+    return report, {c["proposer"]: c for c in report["cells"]}
+
+
+def test_a_clean_run_is_not_flagged_and_its_speedup_is_what_tau_c_and_v_allow():
+    report, cells = _report()
+    assert all(c["flags"] == [] for c in cells.values())
+    assert abs(cells["draft-model"]["measured_over_accounted"] - 1) < 0.01
+    assert not any(line.startswith("busy!") for line in notes(report))
+    schema = json.loads((resources.files("specplug") / "bench" / "compare.schema.json").read_text())
+    jsonschema.validate(report, schema)
+
+
+def test_a_slow_spell_in_one_cell_flags_that_cell_only():
+    _, cells = _report(cell_slow=lambda label, rep, pi: 1.8 if label == "ngram" and rep == 1 else 1.0)
+    assert cells["draft-model"]["flags"] == []
+    assert cells["ngram"]["slow_runs"] == 5
+    assert cells["ngram"]["flags"] == ["5 of 10 paired runs ran ≥30% slower than a repeat of the same work"]
+
+
+def test_one_slow_run_among_many_is_not_a_busy_cell():
+    _, cells = _report(cell_slow=lambda label, rep, pi: 1.8 if (label, rep, pi) == ("ngram", 1, 2) else 1.0)
+    assert cells["ngram"]["slow_runs"] == 1 and cells["ngram"]["flags"] == []
+
+
+def test_a_slow_baseline_flags_the_speedups_it_inflated():
+    # no repeats to compare with, but a speed-up of 1.3x from 1 token a call cannot be the decoder's
+    report, cells = _report(repeats=1, base_slow=lambda rep, pi: 1.5)
+    assert cells["ngram"]["speedup"] > 1.3
+    assert cells["ngram"]["flags"] and "above the" in cells["ngram"]["flags"][0]
+    assert cells["draft-model"]["flags"]  # 3 tokens a call allow 2.3x, not 3.5x
+    assert any(line.startswith("busy! ngram") and confidence.BUSY in line for line in notes(report))
+    console = Console(width=WIDTH, file=io.StringIO(), record=True)
+    console.print(tables(report)[0])
+    assert console.export_text().count("busy!") == 2
+
+
+def test_the_interval_covers_the_median_and_is_narrow_when_repeats_agree():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        groups = rng.lognormal(0.5, 0.3, size=(rng.integers(1, 8), rng.integers(1, 4))).tolist()
+        low, high = confidence.speedup_interval(groups)
+        assert low <= float(np.median(groups)) <= high
+    assert confidence.speedup_interval([[2.0, 2.0], [2.0, 2.0]]) == (2.0, 2.0)
+    agree = confidence.speedup_interval([[2.0, 2.01], [1.99, 2.0], [2.0, 2.02]])
+    disagree = confidence.speedup_interval([[1.5, 2.5], [1.2, 2.8], [2.0, 3.1]])
+    assert agree[1] - agree[0] < 0.05 < disagree[1] - disagree[0]
+
+
+def test_the_interval_is_reproducible_and_handles_prompts_with_unequal_repeats():
+    groups = [[1.9, 2.1, 2.0], [2.4], [1.7, 1.8]]
+    assert confidence.speedup_interval(groups) == confidence.speedup_interval(groups)
+    low, high = confidence.speedup_interval(groups)
+    assert 1.7 <= low <= 2.0 <= high <= 2.4
+
+
+def test_every_synthetic_cell_carries_its_interval_in_the_json():
+    _, cells = _report()
+    for c in cells.values():
+        low, high = c["speedup_interval"]
+        assert low <= c["speedup"] <= high

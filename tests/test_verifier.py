@@ -1,4 +1,5 @@
-"""The rejection rule on hand-made distributions: each line of DESIGN §1 as a specification."""
+"""The rejection rule on hand-made distributions: each numbered line of the rule (docs/design.md, "The
+rule") as a specification."""
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
-"""Render a compare report: a rich terminal table and a self-contained HTML page with matplotlib plots."""
+"""Render a compare report: a terminal table that fits 120 columns (every column with ``wide``), and a
+self-contained HTML page that opens with the best proposer per temperature and the plots."""
 from __future__ import annotations
 
 import base64
@@ -6,45 +7,120 @@ import html
 import io
 import json
 
+from .confidence import BUSY
+
 PLOTS = ("speedup_vs_gamma", "per_position_acceptance", "latency_distribution", "measured_vs_predicted")
+WIDTH = 120
+WIDE_WIDTH = 200
+RATIO_NOTE = ("meas/pred: speed-up ÷ τ/(γc + v), what this cell's τ, c and scoring cost v (in target-only steps) "
+              "allow; ≈1 is healthy.")
 
 
 def _fmt(value, spec=".2f"):
     return "-" if value is None else format(value, spec)
 
 
-def tables(report: dict) -> list:
-    """Rich tables: every cell (one line per proposer x workload x T x γ), then the peer if it ran."""
+def _speedup(cell) -> str:
+    interval = cell.get("speedup_interval")
+    if cell["speedup"] is None:
+        return "-"
+    if not interval:
+        return f"{cell['speedup']:.2f}x"
+    return f"{cell['speedup']:.2f}x [{interval[0]:.2f}–{interval[1]:.2f}]"
+
+
+def _greedy(cell, bit_identical) -> str:
+    text = {None: "-", True: "yes", False: "NO"}[cell["greedy_equal_to_target_only"]]
+    return text + "*" if bit_identical is False and text != "-" else text
+
+
+def _sorted_cells(report):
+    return sorted(report["cells"], key=lambda c: (c["workload"], c["temperature"], c["proposer"], c["gamma"]))
+
+
+def summary(report: dict) -> list[dict]:
+    """The best cell per workload and temperature (by median speed-up)."""
+    best: dict[tuple, dict] = {}
+    for c in report["cells"]:
+        key = (c["workload"], c["temperature"])
+        if c["speedup"] is not None and (key not in best or c["speedup"] > best[key]["speedup"]):
+            best[key] = c
+    return [best[k] for k in sorted(best)]
+
+
+def notes(report: dict, wide: bool = False) -> list[str]:
+    """The lines printed under the table: what the ratio means, the flagged cells and why, the best cells."""
+    lines = [] if wide else [RATIO_NOTE]
+    if report["target"].get("verify_bit_identical") is False:
+        lines.append("*: this target's verify passes are not bit-identical to its one-token steps on this machine, "
+                     "so greedy output may part from target-only's where two tokens nearly tie.")
+    for b in report["baseline"]:
+        lines.append(f"target-only {b['workload']} T={b['temperature']:g}: "
+                     f"{_fmt(b['target_step_time_s'] * 1e3, '.2f')} ms a step, {_fmt(b['tokens_per_second'], '.0f')} tok/s")
+    for c in _sorted_cells(report):
+        if c.get("flags"):
+            lines.append(f"busy! {c['proposer']} T={c['temperature']:g} γ={c['gamma']}: {BUSY} ({'; '.join(c['flags'])})")
+    if report["machine"].get("wall_time_s"):
+        lines.append(f"measured in {report['machine']['wall_time_s']:.0f} s on {report['machine']['threads']} thread(s)")
+    for c in summary(report):
+        lines.append(f"best at T={c['temperature']:g} on {c['workload']}: {c['proposer']} γ={c['gamma']}, {_speedup(c)}"
+                     + (" (flagged)" if c.get("flags") else ""))
+    return lines
+
+
+def _columns(report, wide: bool) -> list[str]:
+    several = len({c["workload"] for c in report["cells"]} | {b["workload"] for b in report["baseline"]}) > 1
+    if not wide:
+        return ["proposer"] + (["workload"] if several else []) + ["T", "γ", "α", "τ", "c", "speed-up [95%]",
+                                                                   "meas/pred", "greedy =", "flag"]
+    repeated = any(len(c["speedup_by_sample"]) > 1 for c in report["cells"])
+    return ["proposer", "workload", "T", "γ", "α", "τ", "c", "v", "tok/s", "speed-up [95%]", "predicted",
+            "meas/pred(v=1)", "meas/pred(v)", "meas/pred", "p50 ms", "p99 ms", "greedy =", "flag"] \
+        + (["by sample"] if repeated else [])
+
+
+def _values(c, bit_identical) -> dict:
+    return {
+        "proposer": c["proposer"], "workload": c["workload"], "T": _fmt(c["temperature"], "g"), "γ": str(c["gamma"]),
+        "α": _fmt(c["acceptance_rate"]), "τ": _fmt(c["mean_acceptance_length"]), "c": _fmt(c["draft_cost_ratio"], ".3f"),
+        "v": _fmt(c["verify_cost"]), "tok/s": _fmt(c["tokens_per_second"], ".1f"), "speed-up [95%]": _speedup(c),
+        "predicted": _fmt(c["predicted_speedup"]), "meas/pred(v=1)": _fmt(c["measured_over_predicted"]),
+        "meas/pred(v)": _fmt(c["measured_over_predicted_with_verify_cost"]),
+        "meas/pred": _fmt(c["measured_over_accounted"]), "p50 ms": _fmt(c["token_latency_p50_s"] * 1e3, ".1f"),
+        "p99 ms": _fmt(c["token_latency_p99_s"] * 1e3, ".1f"), "greedy =": _greedy(c, bit_identical),
+        "flag": "busy!" if c.get("flags") else "",
+        "by sample": " ".join(_fmt(v) for v in c["speedup_by_sample"]) if len(c["speedup_by_sample"]) > 1 else "-",
+    }
+
+
+def _baseline_values(b) -> dict:
+    return {"proposer": "target-only", "workload": b["workload"], "T": _fmt(b["temperature"], "g"), "γ": "0",
+            "τ": "1.00", "v": "1.00", "tok/s": _fmt(b["tokens_per_second"], ".1f"), "speed-up [95%]": "1.00x",
+            "p50 ms": _fmt(b["token_latency_p50_s"] * 1e3, ".1f"), "p99 ms": _fmt(b["token_latency_p99_s"] * 1e3, ".1f"), "flag": ""}
+
+
+def tables(report: dict, wide: bool = False) -> list:
+    """Rich tables: one line per proposer x workload x T x γ (the default's columns fit 120 characters;
+    ``wide``: every column), then the peer's if it ran."""
     from rich.table import Table
 
-    repeated = any(len(c["speedup_by_sample"]) > 1 for c in report["cells"])
-
-    t = Table(title=f"specplug compare — target {report['target']['name']}, "
-                    f"{report['settings']['max_new_tokens']} new tokens")
-    columns = ["proposer", "workload", "T", "γ", "α", "tok/call", "c", "v", "tok/s", "speed-up", "predicted",
-               "meas/pred", "meas/pred·v", "meas/acc", "p50 ms", "p99 ms", "greedy ="] + (["by sample"] if repeated else [])
+    columns = _columns(report, wide)
+    workloads = sorted({b["workload"] for b in report["baseline"]})
+    s = report["settings"]
+    t = Table(title=f"specplug compare — {report['target']['name']}, {', '.join(workloads)}, "
+                    f"{s['max_new_tokens']} new tokens, {s['repeats']} repeat(s)")
     for col in columns:
-        t.add_column(col, justify="left" if col in ("proposer", "workload") else "right", no_wrap=True)
-    rows = []
-    for b in report["baseline"]:
-        rows.append(["target-only", b["workload"], _fmt(b["temperature"], "g"), "0", "-", "1.00", "-", "1.00",
-                     _fmt(b["tokens_per_second"], ".1f"), "1.00", "-", "-", "-", "-", _fmt(b["token_latency_p50_s"] * 1e3, ".1f"),
-                     _fmt(b["token_latency_p99_s"] * 1e3, ".1f"), "-", "-"])
-    for c in sorted(report["cells"], key=lambda c: (c["workload"], c["temperature"], c["proposer"], c["gamma"])):
-        equal = {None: "-", True: "yes", False: "NO"}[c["greedy_equal_to_target_only"]]
-        by_sample = " ".join(_fmt(v) for v in c["speedup_by_sample"]) if len(c["speedup_by_sample"]) > 1 else "-"
-        rows.append([c["proposer"], c["workload"], _fmt(c["temperature"], "g"), str(c["gamma"]),
-                     _fmt(c["acceptance_rate"]), _fmt(c["mean_acceptance_length"]), _fmt(c["draft_cost_ratio"], ".3f"),
-                     _fmt(c["verify_cost"]), _fmt(c["tokens_per_second"], ".1f"), _fmt(c["speedup"]),
-                     _fmt(c["predicted_speedup"]), _fmt(c["measured_over_predicted"]),
-                     _fmt(c["measured_over_predicted_with_verify_cost"]), _fmt(c["measured_over_accounted"]),
-                     _fmt(c["token_latency_p50_s"] * 1e3, ".1f"),
-                     _fmt(c["token_latency_p99_s"] * 1e3, ".1f"), equal, by_sample])
+        left = col in ("proposer", "workload", "flag")
+        t.add_column(col, justify="left" if left else "right", no_wrap=col != "proposer",
+                     max_width=28 if col == "proposer" else None, overflow="fold")
+    bit_identical = report["target"].get("verify_bit_identical")
+    rows = [_baseline_values(b) for b in sorted(report["baseline"], key=lambda b: (b["workload"], b["temperature"]))]
+    rows += [_values(c, bit_identical) for c in _sorted_cells(report)]
     for row in rows:
-        t.add_row(*row[: len(columns)])
+        t.add_row(*[row.get(col, "-") for col in columns])
     if not report["peer"]:
         return [t]
-    peer = Table(title="Hugging Face transformers' assisted generation on the same target, draft and prompts")
+    peer = Table(title="Peers on the same target, draft and prompts")
     for col in ("peer", "workload", "T", "γ", "tok/s", "speed-up", "ours vs peer", "greedy = ours"):
         peer.add_column(col, justify="left" if col in ("peer", "workload") else "right", no_wrap=True)
     for p in report["peer"]:
@@ -53,6 +129,14 @@ def tables(report: dict) -> list:
                      _fmt(p["tokens_per_second"], ".1f"), _fmt(p["speedup"]),
                      f"{_fmt(p['ours_over_peer'])}x {p['ours']}", equal)
     return [t, peer]
+
+
+def print_report(report: dict, console, wide: bool = False) -> None:
+    """The tables, then the notes under them."""
+    for t in tables(report, wide):
+        console.print(t)
+    for line in notes(report, wide):
+        console.print(line, highlight=False, markup=False, soft_wrap=False)
 
 
 def _png(fig) -> str:
@@ -80,9 +164,13 @@ def figures(report: dict) -> dict[str, str]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for (prop, wl, t), cs in sorted(series.items()):
         cs = sorted(cs, key=lambda c: c["gamma"])
-        ax.plot([c["gamma"] for c in cs], [c["speedup"] or 0 for c in cs], marker="o", label=f"{prop} · {wl} · T={t:g}")
+        ys = [c["speedup"] or 0 for c in cs]
+        spans = [c.get("speedup_interval") or (y, y) for c, y in zip(cs, ys)]
+        ax.errorbar([c["gamma"] for c in cs], ys, yerr=[[y - lo for y, (lo, _) in zip(ys, spans)],
+                                                       [hi - y for y, (_, hi) in zip(ys, spans)]],
+                    marker="o", capsize=3, label=f"{prop} · {wl} · T={t:g}")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="γ (draft tokens per step)", ylabel="speed-up over target-only (median)", title="Speed-up vs γ")
+    ax.set(xlabel="γ (draft tokens per step)", ylabel="speed-up over target-only (median, 95% interval)", title="Speed-up vs γ")
     ax.legend(fontsize=7)
     out["speedup_vs_gamma"] = _png(fig)
 
@@ -133,31 +221,52 @@ def figures(report: dict) -> dict[str, str]:
     return out
 
 
+def _summary_html(report: dict) -> str:
+    rows = "".join(
+        f"<tr><td>T = {c['temperature']:g}</td><td>{html.escape(c['workload'])}</td><td><b>{html.escape(c['proposer'])}"
+        f"</b></td><td>{c['gamma']}</td><td><b>{html.escape(_speedup(c))}</b></td>"
+        f"<td>{html.escape('; '.join(c.get('flags') or [])) or 'consistent'}</td></tr>" for c in summary(report))
+    flagged = [c for c in _sorted_cells(report) if c.get("flags")]
+    warn = ""
+    if flagged:
+        items = "".join(f"<li>{html.escape(c['proposer'])} T={c['temperature']:g} γ={c['gamma']}: {BUSY} "
+                        f"({html.escape('; '.join(c['flags']))})</li>" for c in flagged)
+        warn = f'<div class="warn"><b>{len(flagged)} cell(s) flagged</b><ul>{items}</ul></div>'
+    return (f"<table class=summary><tr><th>temperature</th><th>workload</th><th>best proposer</th><th>γ</th>"
+            f"<th>speed-up [95% interval]</th><th>figures</th></tr>{rows}</table>{warn}")
+
+
 def write_html(report: dict, path) -> None:
-    """A self-contained page: settings, the table, the four plots, and the raw JSON."""
+    """A self-contained page: the best proposer per temperature, the plots, the full table, then the
+    settings and the raw JSON folded away."""
     from rich.console import Console
 
-    console = Console(record=True, width=200, file=io.StringIO())
-    for t in tables(report):
-        console.print(t)
+    console = Console(record=True, width=WIDE_WIDTH, file=io.StringIO())
+    print_report(report, console, wide=True)
     skipped = "".join(f"<li><b>{html.escape(s['proposer'])}</b>: {html.escape(s['reason'])}</li>"
                       for s in report["skipped"]) or "<li>none</li>"
     images = "".join(f'<figure id="{name}"><img alt="{name}" src="data:image/png;base64,{data}"></figure>'
                      for name, data in figures(report).items())
+    s = report["settings"]
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>specplug compare</title>
 <style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}} pre{{font-size:11px;overflow-x:auto}}
-figure{{display:inline-block;margin:0.5em}} img{{max-width:560px}}</style></head><body>
+figure{{display:inline-block;margin:0.5em}} img{{max-width:560px}} td,th{{padding:0.2em 0.8em;text-align:left}}
+.warn{{background:#fff3cd;padding:0.5em 1em;margin:1em 0}}</style></head><body>
 <h1>specplug compare — {html.escape(report['target']['name'])}</h1>
-<p>Speed-ups are medians of paired runs against target-only decoding in the same run (interleaved).
-c = drafting time per drafted token / target step time; predicted = (1 − α<sup>γ+1</sup>) / ((1 − α)(γc + 1)) (Leviathan et al.).
-v = the target's scoring pass over γ + 1 tokens in target-only steps, measured in the same cell; the formula
-assumes v = 1, and meas/pred·v uses (γc + v) instead. Both also assume every position is accepted
-independently with one α; meas/acc compares with tok/call / (γc + v) from the cell's own tokens per call, so it
-shows only what the decode loop itself loses.</p>
-<h2>Settings</h2><pre>{html.escape(json.dumps({k: report[k] for k in ('settings', 'machine', 'target')}, indent=1))}</pre>
-<h2>Skipped proposers</h2><ul>{skipped}</ul>
-<h2>Results</h2><pre>{html.escape(console.export_text())}</pre>
+<p>Speed-up over target-only decoding in the same, interleaved run: the median over paired runs, with a 95%
+bootstrap interval over prompts and repeats ({s['repeats']} repeat(s), {s['max_new_tokens']} new tokens).</p>
+{_summary_html(report)}
 <h2>Plots</h2>{images}
-<h2>Raw report</h2><pre>{html.escape(json.dumps(report, indent=1))}</pre></body></html>"""
+<h2>Every cell</h2>
+<p>α: accepted / drafted tokens; τ: tokens per target call; c: drafting time per drafted token in target-only
+steps; v: the scoring pass over γ + 1 tokens in target-only steps. predicted = (1 − α<sup>γ+1</sup>) / ((1 − α)(γc + 1))
+(Leviathan et al., v = 1); meas/pred(v) puts (γc + v) in its denominator; meas/pred compares with τ / (γc + v), the
+speed-up the cell's own figures allow, so it shows only what the decode loop itself loses.</p>
+<pre>{html.escape(console.export_text())}</pre>
+<h2>Skipped proposers</h2><ul>{skipped}</ul>
+<details><summary>Settings, machine and target</summary>
+<pre>{html.escape(json.dumps({k: report[k] for k in ('settings', 'machine', 'target')}, indent=1))}</pre></details>
+<details><summary>Raw report (JSON)</summary><pre>{html.escape(json.dumps(report, indent=1))}</pre></details>
+</body></html>"""
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(page)

@@ -21,14 +21,9 @@ The bundled weights were made with (W = a work dir outside the repo):
     specplug train token-ranks --tokenizer specplug/models/pycode --default-vocab 2048 \
         --sampled-vocab all --out specplug/models/pycode/frequent_tokens.json
 
-(`python -m specplug.training.cli ...` is the same group.)  The bundled target's run had
-its --steps lowered mid-run (2000 -> 1500 -> 1400 -> 1050 -> 900, at steps 20/89/734/751/763,
-to fit a shared machine), so a fresh `--steps 900` run follows a slightly different cosine
-schedule; the draft runs match their commands (the total only changed during warmup).  The draft
-was distilled in three rounds of 2.9 M tokens (different seeds, so different batches; each round
-restarts the schedule from its --lr): greedy top-1 agreement with the target 0.74 -> 0.77 -> 0.79.  Runs are resumable:
-rerunning a command with the same --work-dir continues from its last checkpoint
-(SIGTERM/Ctrl-C saves one); batches depend only on (seed, step).
+(`python -m specplug.training.cli ...` is the same group.)  Runs are resumable: rerunning a command
+with the same --work-dir continues from its last checkpoint (SIGTERM/Ctrl-C saves one); batches depend
+only on (seed, step). What each run took and what changed mid-run: docs/zoo.md.
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Self-distillation text: training-corpus prefixes continued by the frozen target itself.
 
-A feature head drafts what the *target* will say, but the corpus is what people wrote. Trained on the
-target's own continuations (Medusa-2's self-distillation), the zoo EAGLE head's greedy tokens a call rose
-from 5.30 to 5.83 at γ = 8 on 20 HumanEval prompts (README, "The bundled zoo"). The continuations are decoded through
-speculative decoding, whose output is distributed exactly as the target's (greedy rows token for token), so
-a proposer only makes them faster.
+A feature head drafts what the *target* will say, but the corpus is what people wrote, so heads trained
+on the target's own continuations (Medusa-2's self-distillation) draft it better (docs/zoo.md). The
+continuations are decoded through speculative decoding, whose output is distributed exactly as the
+target's (greedy rows token for token), so a proposer only makes them faster.
 
 Layout of ``out_dir``: ``continuations.json`` (the settings and the target's fingerprint) and
 ``chunkNNNNN.safetensors`` files, each ``{"ids": int32}`` holding EOS prefix continuation EOS prefix ... for

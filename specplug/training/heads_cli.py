@@ -3,19 +3,7 @@
     specplug train eagle --target zoo:pycode --work-dir WORK/heads/eagle --out specplug/models/pycode-eagle
     specplug train mtp   --target zoo:pycode --work-dir WORK/heads/mtp   --out specplug/models/pycode-mtp
 
-The bundled heads (common flags: --seq-len 512 --batch-size 8 --seed 1234 --eval-windows 16):
-
-    eagle  --tokens 262144 --steps 300 --lr 1e-3 --warmup 20                            (27 min)
-    then   --tokens 1048576 --steps 900 --lr 6e-4 --warmup 20 --init <the first>          (26 min)
-    then   --tokens 1048576 --steps 300 --lr 3e-4 --warmup 10 --depth 3 --init <the second> (33 min;
-           started with --steps 400, lowered to 300 at step 51 to fit the session)
-    then, on the target's own text (self-distillation):
-           specplug train continuations --out WORK/selfgen --cache-dir WORK/cache        (6 min; 2,048 x 208 tokens)
-           --tokens 409600 --steps 600 --lr 2e-4 --warmup 10 --depth 2 --ckpt-every 25
-           --data WORK/selfgen --init <the third>                                         (20 min)
-    mtp    --tokens 262144 --steps 120 --lr 1e-3 --warmup 20 --heads 4 --share-lm-head  (24 min)
-    then   --tokens 409600 --steps 450 --lr 5e-4 --warmup 10 --heads 4 --share-lm-head --ckpt-every 10
-           --data WORK/selfgen --init <the first>                                         (13 min)
+The commands that made the bundled heads, round by round, with their training times: docs/zoo.md.
 
 The target's features for ``--tokens`` corpus positions are computed once into WORK/heads/features/ and
 shared by both commands. Rerunning a command with the same --work-dir resumes from its last checkpoint.
