@@ -12,7 +12,6 @@ import torch
 import specplug.verifier.block as block
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue
 from specplug.verifier import Proposal, verify, verify_batch, verify_greedy
-from specplug.verifier.block import block_weights
 
 V = 4
 START = 0  # the last emitted token
@@ -52,20 +51,25 @@ def drafts_of(q, k, point_mass):
 
 
 def block_step_law(p, q, k, point_mass):
-    """Exact law of (x1..x_tau, Y) from the verifier's own lines 2-4: P(tau = i | x) = h_i prod_{j>i} (1 - h_j)."""
+    """Exact law of (x1..x_tau, Y) from the verifier's own lines 2-4 and 6, looked up on the module so that
+    mutants apply: P(tau = i | x) = h_i prod_{j>i} (1 - h_j)."""
     law = {}
     for x, prob in drafts_of(q, k, point_mass):
         rows = (START,) + x
         p_rows = p[list(rows)].unsqueeze(0)
         q_rows = None if point_mass else q[list(rows[:-1])].unsqueeze(0)
-        _, h, residual = block_weights(p_rows, torch.tensor([x]), q_rows, torch.tensor([k]))
+        p_chain, h = block.block_weights(p_rows, torch.tensor([x]), q_rows, torch.tensor([k]))
         h = h[0]
         for tau in range(k + 1):
             stop = float(h[tau]) if tau else 1.0
             p_tau = stop * float(torch.prod(1 - h[tau + 1:]))
             if p_tau == 0:  # never chosen; its residual may have no mass
                 continue
-            weights = p_rows[0, k] if tau == k else residual[0, tau]
+            if tau == k:
+                weights = p_rows[0, k]
+            else:
+                q_tau = torch.nn.functional.one_hot(torch.tensor(x[tau]), V).double() if point_mass else q_rows[0, tau]
+                weights = block.block_residual(p_rows[0, tau], q_tau, p_chain[0, tau])
             for y in range(V):
                 out = x[:tau] + (y,)
                 law[out] = law.get(out, 0.0) + prob * p_tau * float(weights[y] / weights.sum())
@@ -88,8 +92,8 @@ def expected_accepted_block(p, q, k):
     total = 0.0
     for x, prob in drafts_of(q, k, False):
         rows = (START,) + x
-        _, h, _ = block_weights(p[list(rows)].unsqueeze(0), torch.tensor([x]), q[list(rows[:-1])].unsqueeze(0),
-                                torch.tensor([k]))
+        _, h = block.block_weights(p[list(rows)].unsqueeze(0), torch.tensor([x]), q[list(rows[:-1])].unsqueeze(0),
+                             torch.tensor([k]))
         h = h[0]
         total += prob * sum(i * float(h[i]) * float(torch.prod(1 - h[i + 1:])) for i in range(1, k + 1))
     return total
@@ -120,7 +124,7 @@ def test_paper_example_accepts_11_ninths_of_a_token_where_token_wise_accepts_10_
     block_total = token_total = 0.0
     for x in itertools.product(range(2), repeat=2):
         prob = float(q[x[0]] * q[x[1]])
-        _, h, _ = block_weights(p.expand(1, 3, 2), torch.tensor([x]), q.expand(1, 2, 2), torch.tensor([2]))
+        _, h = block.block_weights(p.expand(1, 3, 2), torch.tensor([x]), q.expand(1, 2, 2), torch.tensor([2]))
         h = h[0]
         block_total += prob * (float(h[1] * (1 - h[2])) + 2 * float(h[2]))
         ratio = torch.clamp(p[list(x)] / q[list(x)], max=1.0)
@@ -214,19 +218,17 @@ def test_exactness_check_rejects_acceptance_by_the_token_wise_ratio(monkeypatch)
 
 
 def test_exactness_check_rejects_swapped_p_and_q(monkeypatch):
-    original = block.block_weights
-    monkeypatch.setattr(block, "block_weights",
-                        lambda p_target, tokens, q_draft, lengths: original(
-                            torch.cat([q_draft, p_target[:, -1:]], 1), tokens, p_target[:, :-1], lengths))
+    weights, residual = block.block_weights, block.block_residual
+    monkeypatch.setattr(block, "block_weights", lambda p_target, tokens, q_draft, lengths: weights(
+        torch.cat([q_draft, p_target[:, -1:]], 1), tokens, p_target[:, :-1], lengths))
+    monkeypatch.setattr(block, "block_residual", lambda p_target_i, q_draft_i, p_i: residual(q_draft_i, p_target_i,
+                                                                                              p_i))
+    assert max_law_error(0, 3, False) > 1e-3
     assert sampled_pvalue(3, False) < EXACTNESS_ALPHA
 
 
-def test_exactness_check_rejects_the_residual_replaced_by_p(monkeypatch):
-    original = block.block_weights
-
-    def residual_is_p(p_target, tokens, q_draft, lengths):
-        p_chain, h, _ = original(p_target, tokens, q_draft, lengths)
-        return p_chain, h, p_target[:, :-1]
-
-    monkeypatch.setattr(block, "block_weights", residual_is_p)
-    assert sampled_pvalue(3, False) < EXACTNESS_ALPHA
+@pytest.mark.parametrize("point_mass", [False, True], ids=["dense-q", "point-mass"])
+def test_exactness_check_rejects_the_residual_replaced_by_p(point_mass, monkeypatch):
+    monkeypatch.setattr(block, "block_residual", lambda p_target_i, q_draft_i, p_i: p_target_i.clone())
+    assert max_law_error(0, 3, point_mass) > 1e-3
+    assert sampled_pvalue(3, point_mass) < EXACTNESS_ALPHA
