@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from . import machine
 
-MAX_ROWS = 16  # float32 CPU products up to this many rows run as weight @ xᵀ
+MAX_ROWS = 16  # float32 CPU products up to this many rows may run as weight @ xᵀ (see transposed)
 PROBE_ROWS = 64  # the most rows the probe checks: longer products run in pieces it has checked
 
 

@@ -32,6 +32,7 @@ import torch
 CACHE_ENV = "SPECPLUG_CACHE_DIR"
 OVERRIDE_ENV = "SPECPLUG_CHOICES"
 CACHE_FILE = "machine-choices.json"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")  # kernel paths
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "CUDA_VISIBLE_DEVICES")
 MIN_BYTES = 1 << 20  # below this much weight a form's speed hardly matters: the default stands, unprobed
 
@@ -66,19 +67,26 @@ def cache_path() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu() -> str:
+def _hardware() -> str:
+    """The CPU's model name, and the GPUs' where torch sees any (their kernels are chosen per model too)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
+            info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        flags = set(info.get("flags", "").split())
+        cpu = info.get("model name", cpu) + "".join(f" {f}" for f in CPU_FLAGS if f in flags)
+    except (OSError, ValueError):
         pass
+    if torch.cuda.is_available():
+        gpus = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        cpu += f" | {gpus} (CUDA {torch.version.cuda})"
     return cpu
 
 
 def fingerprint() -> str:
-    """What a cached timing depends on besides the probed shapes: CPU, torch build and capability, threads."""
-    cpu = _cpu()
+    """What a cached decision depends on besides what was probed: CPU (and GPUs), torch build and the CPU
+    capability it dispatches to, threads, and the settings that steer kernel choice."""
+    cpu = _hardware()
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()
     # settings that steer which kernels torch and oneDNN pick
     steering = "".join(f" | {v}={os.environ[v]}" for v in KERNEL_ENV if os.environ.get(v))

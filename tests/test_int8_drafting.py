@@ -114,6 +114,7 @@ def test_int8_drafters_hold_int8_copies_instead_of_float_weights(small_vocab_dir
 
 
 def test_int8_is_the_default_where_the_kernel_runs(small_vocab_dirs, small_target):
+    # weights this small are not worth a timing probe (specplug.machine.MIN_BYTES): the default stands
     assert EagleProposer(small_target, head="random").weights == "int8"
     assert MTPProposer(small_target, head="random").weights == "int8"
     assert DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"]).weights == "int8"
