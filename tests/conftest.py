@@ -24,6 +24,12 @@ SMALL_V = 6  # small enough to enumerate the exact distribution of 3 tokens
 
 
 @pytest.fixture(scope="session", autouse=True)
+def machine_cache_dir(tmp_path_factory):
+    """Machine probes (specplug.machine) cache their choices under the session's temporary directory, not ~/.cache."""
+    os.environ["SPECPLUG_CACHE_DIR"] = str(tmp_path_factory.mktemp("machine-cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def tree_stays_clean():
     """Fail the session if any test wrote into the working tree or the directory the suite runs from."""
     cwd = Path.cwd().resolve()
