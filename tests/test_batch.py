@@ -49,6 +49,14 @@ class NoisyOracle(Proposer):
         return Proposal.point_mass(out)
 
 
+@pytest.fixture(scope="module")
+def tiny_hf_target(tiny_dirs):
+    """The tiny target on HF's own forward (the padded fallback), not the lean one."""
+    target = specplug.Target.from_pretrained(tiny_dirs["target"], lean=False)
+    assert target.lean is None and target.lean_note == "lean=False"
+    return target
+
+
 def alone(target, prop, prompt, budget, sampling, gamma=4):
     return specplug.generate(target, prop, prompt, max_new_tokens=budget, sampling=sampling,
                              num_speculative_tokens=gamma, strict=True)
@@ -180,20 +188,35 @@ def test_stop_strings_per_row(tiny_dirs, tiny_target):
 
 # --- cache hygiene --------------------------------------------------------------------------------------
 class CacheChecker(NoisyOracle):
-    """After every step: the row's count of cached tokens, its valid slots and the sequence agree."""
+    """After every step: the row's count of cached target tokens and the sequence agree (on the padded HF
+    fallback, its valid slots too)."""
 
     def observe(self, seq, verdict):
         view = seq.target_cache
-        assert isinstance(view, BatchCacheView)
-        assert view.length == len(seq.ids) - 1 == int(view.batch.valid[view.row].sum())
-        assert view.batch.cache.get_seq_length() == view.batch.slots
-        self.max_slots = max(getattr(self, "max_slots", 0), view.batch.slots)
-        self.compactions = view.batch.compactions
+        assert view.length == len(seq.ids) - 1
+        if isinstance(view, BatchCacheView):
+            assert view.length == int(view.batch.valid[view.row].sum())
+            assert view.batch.cache.get_seq_length() == view.batch.slots
+            self.max_slots = max(getattr(self, "max_slots", 0), view.batch.slots)
+            self.compactions = view.batch.compactions
+        else:  # the lean path: a cache of its own, every layer as long as the row
+            assert {layer.length for layer in view.layers} == {view.length}
+            self.caches = getattr(self, "caches", {})
+            self.caches.setdefault(seq.request_id, view)
+            assert self.caches[seq.request_id] is view  # joins and leaves never move a row's cache
 
 
-def test_cache_bookkeeping_and_compaction(tiny_target):
+def test_lean_rows_keep_a_cache_each_that_follows_the_accepted_sequence(tiny_target):
+    assert tiny_target.lean is not None
     checker = CacheChecker(tiny_target)
-    out = generate_batch(tiny_target, checker, PROMPTS, max_new_tokens=[120, 40, 120, 120, 120],
+    generate_batch(tiny_target, checker, PROMPTS, max_new_tokens=[60, 20, 60, 60, 60], sampling=specplug.GREEDY,
+                   num_speculative_tokens=5, strict=True, max_batch_size=3)
+    assert len(checker.caches) == len(PROMPTS)
+
+
+def test_padded_fallback_cache_bookkeeping_and_compaction(tiny_hf_target):
+    checker = CacheChecker(tiny_hf_target)
+    out = generate_batch(tiny_hf_target, checker, PROMPTS, max_new_tokens=[120, 40, 120, 120, 120],
                          sampling=specplug.GREEDY, num_speculative_tokens=5, strict=True)
     longest = max(len(r.prompt_ids) + len(r.tokens) for r in out)
     # holes are compacted away: the shared cache never grows far past the longest row
