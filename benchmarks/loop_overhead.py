@@ -88,8 +88,10 @@ def main() -> None:
     timer = ForwardTimer(target.model, draft.draft.model)
     if draft.lean is not None:  # the draft runs through specplug.lean_llama, not the HF module's forward
         timer.wrap(draft.lean, "forward")
-    if target.lean is not None:  # so does the target
+        timer.wrap(draft.lean, "forward_rows")
+    if target.lean is not None:  # so does the target: prefills through run, steps through run_rows
         timer.wrap(target.lean, "run")
+        timer.wrap(target.lean, "run_rows")
     for name, proposer in (("target-only", None), ("draft-model", draft)):
         loop_overhead(target, proposer, 16, 1, timer)  # warm-up
         share, wall = loop_overhead(target, proposer, args.tokens, args.repeats, timer)
