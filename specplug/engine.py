@@ -231,6 +231,8 @@ class Engine:
         t0 = time.perf_counter()
         found = self.rows.add([r.seq.ids for r in joining], self.features)
         prefill = time.perf_counter() - t0
+        self.live.extend(joining)  # live before begin(): a failure from here on still ends them
+        self._views()
         for req, features in zip(joining, found):
             req.stats.prefill_time = prefill
             req.seq.prompt_features = features
@@ -242,8 +244,6 @@ class Engine:
                     self.proposer.begin(req.seq)
                 except Exception as exc:
                     self._drop(req, "begin", exc)
-        self.live.extend(joining)
-        self._views()
 
     def _views(self) -> None:
         for j, req in enumerate(self.live):
@@ -443,7 +443,7 @@ class Engine:
     def _fail(self, req: Request, message: str, kind: str = "proposer", culprit: str | None = None) -> SpeculationError:
         culprit = culprit or self.name
         now = time.perf_counter()
-        for r in self.requests:
+        for r in self.live:
             if r.result is None:
                 r.stats.wall_time = now - self.t_start
                 r.stats.finish_reason = "error"

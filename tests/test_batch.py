@@ -161,10 +161,12 @@ def mixed_pvalues(target, prop, calls=20, rows=60):
             for name in names}
 
 
-@pytest.mark.parametrize("name", ["draft-model", "ngram"])
-def test_each_row_of_a_batch_with_mixed_settings_matches_its_own_target_distribution(name, small_vocab_dirs,
+@pytest.mark.parametrize("name, lean", [("draft-model", True), ("ngram", True), ("draft-model", False)],
+                         ids=["draft-model", "ngram", "draft-model-hf-padded"])
+def test_each_row_of_a_batch_with_mixed_settings_matches_its_own_target_distribution(name, lean, small_vocab_dirs,
                                                                                       small_target):
-    pvalues = mixed_pvalues(small_target, proposer(name, small_vocab_dirs, small_target))
+    target = small_target if lean else specplug.Target.from_pretrained(small_vocab_dirs["target"], lean=False)
+    pvalues = mixed_pvalues(target, proposer(name, small_vocab_dirs, target))
     assert min(pvalues.values()) > EXACTNESS_ALPHA, pvalues
 
 

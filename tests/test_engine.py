@@ -306,3 +306,17 @@ class Empty(Repeat):
 def test_a_falsy_proposer_still_drafts(tiny_target):
     result = specplug.generate(tiny_target, Empty(), PROMPTS[0], max_new_tokens=10, sampling=specplug.GREEDY)
     assert result.stats.draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_device_check_runs_on_the_cpu(tmp_path):
+    """The device check is for an accelerator; on the CPU it runs smaller, so it is known to work."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "device_check.py"
+    out = subprocess.run([sys.executable, str(script), "--device", "cpu", "--quick"], capture_output=True,
+                         text=True, timeout=1500, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "exactness draft-model batched" in out.stdout and "compare draft-model" in out.stdout
