@@ -99,8 +99,8 @@ class Target:
         gives, for one sequence and for rows of a batch (:meth:`probe_bit_identity`; ``bit_identity`` holds the
         answer). Only then does greedy speculative output equal target-only greedy output token for token (in
         distribution the two are equal either way). Where narrower products fail it and float32 ones pass, the
-        float32 ones are chosen; ``verify_bit_identical`` says whether the path in force passed, ``lean_note``
-        why not."""
+        float32 ones are chosen; ``verify_bit_identical`` says whether the path in force passed (None when not
+        probed), ``lean_note`` why not."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -117,7 +117,7 @@ class Target:
             few_rows.install(model)
         self.lean, self.lean_note = lean_or_reason(model) if lean else (None, "lean=False")
         self.bit_identity: dict[str, bool] = {}
-        self.verify_bit_identical = False
+        self.verify_bit_identical: bool | None = None  # None: not probed (probe=False)
         if probe:
             self._choose_products()
 

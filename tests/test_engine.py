@@ -320,3 +320,38 @@ def test_device_check_runs_on_the_cpu(tmp_path):
                          text=True, timeout=1500, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "exactness draft-model batched" in out.stdout and "compare draft-model" in out.stdout
+
+
+# --- the product path is chosen by a probe on the machine at hand ------------------------------------------------
+def fake_probe(results):
+    """A probe answering by the product dtype in force (what a real CPU might answer: not asserted here)."""
+    def probe(self, rows=16):
+        return dict(results[self.matmul_dtype])
+    return probe
+
+
+def test_float32_products_are_chosen_where_only_they_keep_verify_passes_bit_identical(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(specplug.Target, "probe_bit_identity", fake_probe(
+        {torch.bfloat16: {"single": True, "batched": False}, None: {"single": True, "batched": True}}))
+    target = specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype="bfloat16")
+    assert target.matmul_dtype is None and target.verify_bit_identical
+    assert target.lean is not None and target.lean.layers[0].qkv.weight.dtype == torch.float32
+    assert "batched verify passes not bit-identical" in target.lean_note and "float32 products chosen" in target.lean_note
+    free = specplug.generate(target, None, PROMPTS[0], max_new_tokens=20, sampling=specplug.GREEDY)
+    assert len(free.tokens) == 20  # the rebuilt path decodes
+
+
+def test_where_no_path_is_bit_identical_the_target_says_so_and_keeps_its_products(tiny_dirs, monkeypatch):
+    monkeypatch.setattr(specplug.Target, "probe_bit_identity", fake_probe(
+        {torch.bfloat16: {"single": True, "batched": False}, None: {"single": False, "batched": False}}))
+    target = specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype="bfloat16")
+    assert target.matmul_dtype == torch.bfloat16 and target.verify_bit_identical is False
+    assert target.lean.layers[0].qkv.weight.dtype == torch.bfloat16
+    assert target.bit_identity == {"single": True, "batched": False}
+    assert "batched verify passes not bit-identical to one-token steps" in target.lean_note
+
+
+def test_the_probe_compares_a_verify_pass_with_one_token_steps(tiny_target):
+    found = tiny_target.probe_bit_identity(rows=3)
+    assert set(found) == {"single", "batched"} and all(isinstance(v, bool) for v in found.values())
+    assert tiny_target.verify_bit_identical == all(tiny_target.bit_identity.values())
