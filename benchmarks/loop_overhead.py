@@ -1,6 +1,11 @@
 """How much of a decode is the loop's own work, and how fast is the batched verifier?
 
     python benchmarks/loop_overhead.py [--target zoo:pycode] [--draft zoo:pycode-draft] [--tokens 256]
+    python benchmarks/loop_overhead.py --batch-sizes 1,4,16 [--prompts 16] [--tokens 96]
+
+With ``--batch-sizes``: target-only tokens/s of ``generate_batch`` on the target's lean (ragged) rows and on
+HF's padded forward (``Target(lean=False)``), interleaved, median of --repeats, over held-out HumanEval prompts,
+and single-sequence ``generate`` for reference.
 
 Loop overhead = wall time outside the model forwards (target and draft) as a share of wall time, for a
 greedy run, target-only and with draft-model; median of --repeats runs. Verifier: median time of
@@ -76,20 +81,55 @@ def verifier_time(B=64, K=8, V=32_000, repeats=20):
     return times
 
 
+def batch_throughput(args) -> None:
+    from specplug.bench.workloads import humaneval_prompts
+
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    prompts = humaneval_prompts(args.prompts)
+    targets = {"lean rows": specplug.Target.from_pretrained(args.target),
+               "HF padded": specplug.Target.from_pretrained(args.target, lean=False)}
+    for target in targets.values():  # warm-up: every shape's kernels once
+        specplug.generate_batch(target, None, prompts[:max(sizes)], max_new_tokens=8, sampling=specplug.GREEDY)
+    runs: dict[tuple, list[float]] = {}
+    for _ in range(args.repeats):
+        for label, target in targets.items():
+            t0 = time.perf_counter()
+            out = [specplug.generate(target, None, p, max_new_tokens=args.tokens, sampling=specplug.GREEDY)
+                   for p in prompts]
+            runs.setdefault((label, "generate"), []).append(sum(len(r.tokens) for r in out) / (time.perf_counter() - t0))
+            for B in sizes:
+                t0 = time.perf_counter()
+                out = specplug.generate_batch(target, None, prompts, max_new_tokens=args.tokens,
+                                              sampling=specplug.GREEDY, max_batch_size=B)
+                runs.setdefault((label, f"B={B}"), []).append(sum(len(r.tokens) for r in out)
+                                                              / (time.perf_counter() - t0))
+    for (label, what), rates in runs.items():
+        print(f"{label:10s} {what:9s} target-only {statistics.median(rates):7.1f} tok/s "
+              f"(median of {len(rates)}, {len(prompts)} prompts x {args.tokens} tokens)")
+    for label, target in targets.items():
+        print(f"{label}: bit identity {target.bit_identity} {target.lean_note}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="zoo:pycode")
     ap.add_argument("--draft", default=None)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-sizes", default=None, help="e.g. 1,4,16: batched target-only throughput instead")
+    ap.add_argument("--prompts", type=int, default=16)
     args = ap.parse_args()
+    if args.batch_sizes:
+        return batch_throughput(args)
     target = specplug.Target.from_pretrained(args.target)
     draft = specplug.get_proposer("draft-model", target=target, **({"model": args.draft} if args.draft else {}))
     timer = ForwardTimer(target.model, draft.draft.model)
     if draft.lean is not None:  # the draft runs through specplug.lean_llama, not the HF module's forward
         timer.wrap(draft.lean, "forward")
-    if target.lean is not None:  # so does the target
+        timer.wrap(draft.lean, "forward_rows")
+    if target.lean is not None:  # so does the target: prefills through run, steps through run_rows
         timer.wrap(target.lean, "run")
+        timer.wrap(target.lean, "run_rows")
     for name, proposer in (("target-only", None), ("draft-model", draft)):
         loop_overhead(target, proposer, 16, 1, timer)  # warm-up
         share, wall = loop_overhead(target, proposer, args.tokens, args.repeats, timer)

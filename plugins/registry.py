@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
@@ -128,7 +129,14 @@ def get_policy(name: str, **options):
 def _build(kind: str, available: dict[str, PluginInfo], name: str, options: dict):
     if name not in available:
         raise UnknownProposerError(f"unknown {kind} {name!r}; available: {', '.join(available) or 'none'}")
+    factory = available[name].factory
     try:
-        return available[name].factory(**options)
-    except TypeError as exc:
-        raise TypeError(f"{kind} {name!r}: bad options {sorted(options)}: {exc}") from exc
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # no signature to check (some builtins): the call itself will tell
+        signature = None
+    if signature is not None:
+        try:  # only options the factory's signature does not take are bad options; a TypeError raised
+            signature.bind(**options)  # inside the factory is its own error, and keeps its traceback
+        except TypeError as exc:
+            raise TypeError(f"{kind} {name!r}: bad options {sorted(options)}: {exc}") from exc
+    return factory(**options)

@@ -128,10 +128,25 @@ class DraftModelProposer(Proposer):
         return self.lean.new_cache() if self.lean is not None else KVState()
 
     def _state(self, seq: SequenceState) -> KVState | LeanCache:
+        """The sequence's draft cache, holding a prefix of ``seq.ids``: entries beyond what ``observe`` last
+        confirmed (drafts fed by a ``propose`` that raised, which no ``observe`` followed) are dropped."""
         state = seq.scratch.get(self.name)
         if state is None:
             state = seq.scratch[self.name] = self._new_state()
+        confirmed = seq.scratch.get(f"{self.name}:confirmed", 0)
+        if state.length > confirmed:
+            self._crop(state, confirmed)
         return state
+
+    def _crop(self, state: KVState | LeanCache, length: int) -> None:
+        if self.lean is not None:
+            state.crop(length)
+        else:
+            self.draft.rollback(state, length)
+
+    def _confirm(self, seq: SequenceState, state: KVState | LeanCache) -> None:
+        """What the cache holds now is a prefix of ``seq.ids`` (before drafting on, or after a rollback)."""
+        seq.scratch[f"{self.name}:confirmed"] = state.length
 
     def _projection_for(self, seq: SequenceState) -> Projection:
         return self.greedy_projection if seq.sampling.greedy else self.sampled_projection
@@ -154,6 +169,7 @@ class DraftModelProposer(Proposer):
 
     def begin(self, seq: SequenceState) -> None:
         seq.scratch[self.name] = self._new_state()
+        self._confirm(seq, seq.scratch[self.name])
 
     def propose(self, seq: SequenceState, k: int) -> Proposal:
         limit = self.draft.max_positions
@@ -165,6 +181,7 @@ class DraftModelProposer(Proposer):
         projection = self._projection_for(seq)
         # the cache covers a prefix of seq.ids; feed what it lacks (the prompt at first, then 1-2 tokens)
         logits = self._next_logits(state, seq.ids[state.length:], projection)
+        self._confirm(seq, state)
         tokens, q_rows = [], []
         for i in range(k):
             token, q, go_on = self._draw(logits, seq, projection)
@@ -195,13 +212,19 @@ class DraftModelProposer(Proposer):
             backlog = seqs[j].ids[states[j].length:]
             if len(backlog) > 2:
                 self.lean.forward(states[j], backlog[:-1])
+            self._confirm(seqs[j], states[j])
         tokens: dict[int, list[int]] = {j: [] for j in rows}
         q_rows: dict[int, list[torch.Tensor]] = {j: [] for j in rows}
         # the first pass feeds each row what its cache lacks: the newest token, and the row's last draft too
         # where the whole draft was accepted (a last draft is never fed: see below)
         live, feed = rows, [seqs[j].ids[states[j].length:] for j in rows]
+        first = True
         while live:
             logits = self.lean.forward_rows([states[j] for j in live], feed, head=projection.product)
+            if first:  # each row's cache now holds exactly its seq.ids; drafts come after
+                for j in live:
+                    self._confirm(seqs[j], states[j])
+                first = False
             stopped = set()
             if all(seqs[j].sampling.greedy for j in live):  # one argmax for all rows
                 best = logits.float().argmax(-1)
@@ -236,16 +259,15 @@ class DraftModelProposer(Proposer):
 
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:
         # keep only what matches the accepted sequence: everything but its newest token at most
-        state = self._state(seq)
+        state = seq.scratch[self.name]
         keep = min(state.length, len(seq.ids) - 1)
         if keep < state.length:
-            if self.lean is not None:
-                state.crop(keep)
-            else:
-                self.draft.rollback(state, keep)
+            self._crop(state, keep)
+        self._confirm(seq, state)
 
     def end(self, seq: SequenceState) -> None:
         seq.scratch.pop(self.name, None)
+        seq.scratch.pop(f"{self.name}:confirmed", None)
 
     def memory_bytes(self) -> int:
         layers = 0 if self.lean is None else sum(p.nbytes() for layer in self.lean.layers for p in layer.products())

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from specplug.detokenize import IncrementalDetokenizer
 from specplug.plugins import UnknownProposerError, failures, get_proposer, list_proposers
 
 
@@ -99,19 +100,14 @@ def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_
             return
         steps = specplug.decode_steps(tgt, prop, prompt, **kwargs)
         click.echo(prompt, nl=False)
-        shown = ""
-        out: list[int] = []
+        text = IncrementalDetokenizer(tgt.decode)  # the one stream() uses
         while True:
             try:
-                out.extend(next(steps))
+                click.echo(text.push(next(steps)), nl=False)
             except StopIteration as done:
                 result = done.value
                 break
-            text = tgt.decode(out)
-            text = text[:-1] if text.endswith("\ufffd") else text
-            click.echo(text[len(shown):], nl=False)
-            shown = text
-        click.echo(result.text[len(shown):])
+        click.echo(text.flush())
     except (ValueError, specplug.SpeculationError) as exc:
         raise click.ClickException(str(exc)) from exc
     s = result.stats

@@ -365,19 +365,37 @@ class LeanLlama:
     def forward_rows(self, caches: list[LeanCache], tokens: Sequence[int | Sequence[int]], head=None) -> torch.Tensor:
         """A token (or a few: a list) after each of B sequences' cached ones, in one pass: logits [B, V] after
         each sequence's last token (``head`` as for :meth:`forward`)."""
-        per_row = [[t] if isinstance(t, int) else list(t) for t in tokens]
+        return self.run_rows(caches, tokens, last_only=True, head=head)[0]
+
+    def run_rows(self, caches: list[LeanCache], tokens: Sequence[int | Sequence[int]], hidden: tuple[int, ...] = (),
+                 last_only: bool = False, head=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """A few new tokens after each of B sequences' cached ones (ragged: each row its own count, positions
+        and cache), in one pass whose products read the weights once.
+
+        Returns logits [N, V] for all N new positions, row after row (``last_only``: [B, V], each row's last),
+        and the hidden states [N, h] numbered as in :meth:`run`. Each query attends over its own row's cache
+        only, by the very call a one-token step makes (see :meth:`LeanLayer.rows`)."""
+        per_row = [[int(t)] if isinstance(t, int) else [int(x) for x in t] for t in tokens]
         counts = [len(r) for r in per_row]
         ids = torch.as_tensor([t for r in per_row for t in r], dtype=torch.long, device=self.device)
         positions = [cache.length + i for cache, n in zip(caches, counts) for i in range(n)]
         self.rope.get(max(positions), 1)  # make sure the table reaches the furthest row
         at = torch.tensor(positions, device=self.device)
         cos, sin = self.rope.cos[at], self.rope.signed_sin[at]
-        last = torch.tensor(counts, device=self.device).cumsum(0) - 1
+        states: dict[int, torch.Tensor] = {}
+        top = len(self.layers)
         with torch.inference_mode():
             x = F.embedding(ids, self.embedding)
             for i, layer in enumerate(self.layers):
+                if i in hidden:
+                    states[i] = x
                 x = layer.rows(x, cos, sin, [cache.layers[i] for cache in caches], counts)
-            return (head or self.head)(self.norm(x[last]))
+            x = self.norm(x)
+            if top in hidden:
+                states[top] = x
+            if last_only:
+                x = x[torch.tensor(counts, device=self.device).cumsum(0) - 1]
+            return (head or self.head)(x), states
 
 
 def lean_or_reason(model: torch.nn.Module, one_row_copies: bool = False) -> tuple[LeanLlama | None, str]:

@@ -14,14 +14,20 @@ from specplug.verifier.rule import sample_from_weights
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 disable those filters; seed fixes the rng."""
+    """temperature 0 means greedy; top_k 0 (or None) and top_p 1.0 (or None) disable those filters, as in HF;
+    seed fixes the rng."""
 
     temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    top_k: int | None = 0
+    top_p: float | None = 1.0
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        # frozen: normalise through object.__setattr__, so ``top_k`` is always an int and ``top_p`` a float
+        if self.top_k is None:
+            object.__setattr__(self, "top_k", 0)
+        if self.top_p is None:
+            object.__setattr__(self, "top_p", 1.0)
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:

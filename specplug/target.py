@@ -10,6 +10,7 @@ import torch
 
 from . import few_rows, zoo
 from .lean_llama import LeanCache, lean_or_reason
+from .rows import LeanRows, PaddedRows, TargetRows, feature_layer
 from .sampling import SamplingParams, processed_probs
 
 
@@ -88,7 +89,7 @@ class Target:
     """The model whose distribution the output follows. Device-agnostic: tensors follow the model."""
 
     def __init__(self, model, tokenizer=None, name: str | None = None, few_rows_linear: bool = True,
-                 lean: bool = True, matmul_dtype: torch.dtype | str | None = None):
+                 lean: bool = True, matmul_dtype: torch.dtype | str | None = None, probe: bool = True):
         """``few_rows_linear``: route the model's float32 linear layers through :mod:`specplug.few_rows`: each
         row of a verify pass's product equal to a one-token step's where the probe finds such a row count
         (``identical_rows`` says what it found), and on CPU fast on 1-16 rows, where a BLAS quirk otherwise
@@ -96,16 +97,22 @@ class Target:
 
         ``lean``: run single-sequence forwards (target-only decoding and speculative scoring alike) through
         :mod:`specplug.lean_llama` when the model is a Llama it reproduces — the same arithmetic without HF's
-        per-call machinery (a 6-layer target: 4.3 -> 3.3 ms a step). ``lean_note`` says why it is off.
-        Batched decoding keeps HF's forward (padding and per-row masks).
+        per-call machinery (a 6-layer target: 4.3 -> 3.3 ms a step), for batches too (ragged rows, see
+        :mod:`specplug.rows`). ``lean_note`` says why it is off; ``lean=False`` keeps HF's forward (padded and
+        masked in a batch), e.g. to compare the two.
 
         ``matmul_dtype`` (e.g. ``torch.bfloat16``) keeps a float32 model's linear weights in that dtype and
         multiplies in it, everything else staying float32 (:func:`specplug.few_rows.install`): the arithmetic
         of bf16-autocast training (the bundled models were trained so). It changes the given model in place;
         ``matmul_dtype`` says what is in force. On the 2-core CPU it makes scoring 5 tokens cost 1.2-1.3
-        one-token steps instead of 1.6. On the lean path a verify pass then scores every position bit for bit
-        as a one-token step would (one-row products are padded to two, attention runs query by query), so
-        greedy speculative output equals target-only greedy output exactly; in float32 the two agree to ~1e-6."""
+        one-token steps instead of 1.6.
+
+        ``probe``: find out, on this machine, whether a verified position gets the very logits a one-token step
+        gives, for one sequence and for rows of a batch (:meth:`probe_bit_identity`; ``bit_identity`` holds the
+        answer). Only then does greedy speculative output equal target-only greedy output token for token (in
+        distribution the two are equal either way). Where narrower products fail it and float32 ones pass, the
+        float32 ones are chosen; ``verify_bit_identical`` says whether the path in force passed (None when not
+        probed), ``lean_note`` why not."""
         self.model = model
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "") or type(model).__name__
@@ -123,12 +130,16 @@ class Target:
         # probed now, not in the first timed step: rows a product may have and keep one-row products' bits
         self.identical_rows: int = few_rows.warm(model)
         self.lean, self.lean_note = lean_or_reason(model) if lean else (None, "lean=False")
+        self.bit_identity: dict[str, bool] = {}
+        self.verify_bit_identical: bool | None = None  # None: not probed (probe=False)
+        if probe:
+            self._choose_products()
 
     @classmethod
     def from_pretrained(cls, path_or_id: str | os.PathLike, *, device: str | torch.device = "cpu",
                         dtype: torch.dtype | str | None = None, trust_remote_code: bool = False,
                         few_rows_linear: bool = True, lean: bool = True,
-                        matmul_dtype: torch.dtype | str | None = "auto") -> "Target":
+                        matmul_dtype: torch.dtype | str | None = "auto", probe: bool = True) -> "Target":
         """Load a target from a directory, a hub id, or a bundled ``zoo:`` name.
 
         ``matmul_dtype`` (see ``__init__``): ``"auto"`` means bfloat16 products for a bundled target — trained
@@ -141,9 +152,74 @@ class Target:
         if matmul_dtype == "auto":
             matmul_dtype = auto_matmul_dtype(model, bundled=zoo.is_zoo_name(name))
         target = cls(model, load_tokenizer(path, trust_remote_code=trust_remote_code), name=name,
-                     few_rows_linear=few_rows_linear, lean=lean, matmul_dtype=matmul_dtype)
+                     few_rows_linear=few_rows_linear, lean=lean, matmul_dtype=matmul_dtype, probe=probe)
         target.path = Path(path) if Path(path).is_dir() else None
         return target
+
+    # --- which product path keeps verify passes equal to one-token steps ---------------------------------------
+    def probe_bit_identity(self, rows: int = 16) -> dict[str, bool]:
+        """Whether scoring ``[last, x1..x8]`` in one pass gives each position the very logits (bit for bit) that
+        feeding the tokens one at a time gives: ``"single"`` for one sequence, ``"batched"`` for ``rows`` rows
+        of one pass, each scoring 1..9 tokens (the products then run over ~5 × rows rows)."""
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.vocab_size, (14,), generator=gen).tolist()
+        prompt, fed = ids[:6], ids[5:]
+        steps = self.new_rows()
+        steps.add([prompt])
+        want = []
+        for i, token in enumerate(fed):
+            want.append(steps.score([[token]]).logits[0])
+            steps.keep([len(prompt) + i])
+        want = torch.stack(want)
+        one = self.new_rows()
+        one.add([prompt])
+        found = {"single": torch.equal(one.score([fed]).logits, want)}
+        counts = [1 + (3 * b) % len(fed) for b in range(rows)]
+        many = self.new_rows()
+        try:
+            many.add([prompt] * rows)
+            scores = many.score([fed[:n] for n in counts])
+        except NotImplementedError:  # a fallback that cannot batch this model at all
+            found["batched"] = False
+        else:
+            found["batched"] = all(torch.equal(scores.logits[scores.span(b)], want[:n]) for b, n in enumerate(counts))
+        return found
+
+    def _choose_products(self) -> None:
+        """Probe the product path in force; where narrower products fail and float32 ones pass (or pass for
+        more), switch to float32 products (the weights converted back exactly). Say what was found."""
+        found = self.probe_bit_identity()
+        chosen = self.matmul_dtype
+        if not all(found.values()) and chosen is not None:
+            self._set_products(None)
+            wide = self.probe_bit_identity()
+            if sum(wide.values()) > sum(found.values()):
+                self.lean_note = _join(self.lean_note, f"{_failed(found)} with {_dtype_name(chosen)} products; "
+                                                       "float32 products chosen")
+                found = wide
+            else:
+                self._set_products(chosen)  # lossless: the float32 weights hold the narrow values
+        self.bit_identity = found
+        self.verify_bit_identical = all(found.values())
+        if not self.verify_bit_identical:
+            self.lean_note = _join(self.lean_note, f"{_failed(found)} on this machine: greedy speculative output "
+                                                   "may part from target-only output at a near-tie")
+
+    def _set_products(self, dtype: torch.dtype | None) -> None:
+        """Multiply in ``dtype`` (None: float32) from now on, rebuilding the lean forward on the converted weights."""
+        if dtype is None:
+            for module in self.model.modules():
+                if type(module) is torch.nn.Linear and module.weight.dtype != torch.float32:
+                    module.weight = torch.nn.Parameter(module.weight.detach().float(), requires_grad=False)
+                    if module.bias is not None:
+                        module.bias = torch.nn.Parameter(module.bias.detach().float(), requires_grad=False)
+            few_rows.install(self.model)
+        else:
+            few_rows.install(self.model, weight_dtype=dtype)
+        self.matmul_dtype = dtype
+        if self.lean is not None:
+            self.lean, note = lean_or_reason(self.model)
+            self.lean_note = _join(self.lean_note, note)
 
     # --- what proposers may read -------------------------------------------------------------------
     @property
@@ -200,7 +276,14 @@ class Target:
             return " ".join(str(i) for i in ids)
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    # --- the cache -----------------------------------------------------------------------------------
+    # --- the caches ----------------------------------------------------------------------------------
+    def new_rows(self) -> TargetRows:
+        """An empty set of per-request caches for the decode engine (any batch size): ragged on the lean path,
+        HF's padded batch otherwise (see :mod:`specplug.rows`)."""
+        if self.lean is not None:
+            return LeanRows(self.lean, self.model.config.num_hidden_layers)
+        return PaddedRows(self.model, self.device, self.max_positions)
+
     def forward(self, state: KVState, tokens: Sequence[int] | torch.Tensor, features: Sequence[str] = (),
                 logits_to_keep: int = 0) -> Scores:
         """Run ``tokens`` after the cached ones, append them to the cache, return their logits."""
@@ -249,13 +332,15 @@ class Target:
             state.length = length
 
 
-def feature_layer(name: str, num_layers: int) -> int:
-    """Index into HF's ``hidden_states`` of a target feature: ``"last"`` is the final-normed last hidden state
-    (lm_head(last) == logits), ``"layer:N"`` the output of layer N (0: the embeddings; N < 0 counts back)."""
-    if name == "last":
-        return num_layers
-    if name.startswith("layer:"):
-        i = int(name.split(":", 1)[1])
-        if -num_layers - 1 <= i <= num_layers:
-            return i % (num_layers + 1)
-    raise ValueError(f"unknown target feature {name!r}; known: 'last', 'layer:N' (0 <= N <= {num_layers})")
+def _join(note: str, more: str) -> str:
+    return f"{note}; {more}" if note and more else note or more
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _failed(found: dict[str, bool]) -> str:
+    """What a probe found, in words: which verify passes are not bit-identical to one-token steps."""
+    which = [{"single": "single-sequence", "batched": "batched"}[k] for k, ok in found.items() if not ok]
+    return f"{' and '.join(which)} verify passes not bit-identical to one-token steps" if which else ""

@@ -1,8 +1,31 @@
-"""The proposer contract: what a proposer sees of a sequence, and the methods it implements."""
+"""The proposer contract, in one place: what a proposer sees of a request, what it must and may implement, and
+what the decode engine (:mod:`specplug.engine`) promises it.
+
+The calls, per request (alone or in a batch, the same):
+
+    begin(seq)                      once, after the target's prefill
+    propose(seq, k) -> Proposal     before each step that drafts (k >= 1); or, for several rows at once,
+    propose_batch(seqs, ks)         if the proposer has it and more than one row drafts this step
+    observe(seq, verdict)           after each step whose proposal it made (not after one whose propose raised)
+    end(seq)                        exactly once, when the request finishes, fails or is abandoned
+
+The cache invariant (what ``seq.ids`` holds): prompt + every token emitted so far, nothing else. At ``begin``
+it is the prompt; at ``propose`` the accepted sequence, whose newest token the target has not yet scored; at
+``observe`` it already ends with the step's emitted tokens (``verdict.tokens``, possibly cut at EOS, the budget
+or a stop string). The target's cache then holds all of ``seq.ids`` but its newest token. A proposer that
+caches anything (a draft KV cache, features) keeps a prefix of ``seq.ids`` and rolls back to it in ``observe``;
+after a ``propose`` that raised no ``observe`` follows, so it must not trust entries that step added (compare
+with ``seq.ids`` at the next ``propose``).
+
+Failures: a raise in ``propose``/``propose_batch`` makes the step a plain target step for those rows (counted,
+warned once; an error under ``strict``); a raise in ``begin`` or ``observe`` drops the proposer for that request
+(it decodes target-only; ``end`` still comes); a proposal with more than k tokens, an id outside the target
+vocabulary or a q that is no distribution (or 0 at a drafted token) is an error naming the proposer.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, Protocol, Sequence, TypedDict, runtime_checkable
 
 import torch
 
@@ -13,12 +36,31 @@ from .sampling import SamplingParams
 if TYPE_CHECKING:
     from .target import Target
 
-__all__ = ["Proposal", "ProposalError", "Verdict", "SequenceState", "Proposer"]
+__all__ = ["Proposal", "ProposalError", "Verdict", "SequenceState", "Proposer", "BatchProposer", "BatchStep",
+           "ENGINE_SCRATCH_KEYS"]
+
+# The keys of ``SequenceState.scratch`` the engine writes (a proposer or policy may read them, never write):
+# "proposer": the proposer's name (e.g. for per-proposer statistics); "batch_size": rows decoded together this
+# step, set before each choice of k; "batch_step": a :class:`BatchStep`, set before a batched ``update``.
+ENGINE_SCRATCH_KEYS = ("proposer", "batch_size", "batch_step")
+
+
+class BatchStep(TypedDict):
+    """What a batched step cost, shared by its rows (one dict a step): for batch-aware γ policies."""
+
+    scored: int  # positions the target scored per row (K + 1, K the longest draft)
+    drafted: int  # tokens drafted by all rows
+    draft_rows: int  # rows that drafted at least one token
+    backlog_rows: int  # of the rows asked to draft, those whose drafter did not run the step before
+    draft_time: float  # seconds: choosing k and all rows' drafting
+    verify_time: float  # seconds: the target's pass and the rule
+    batch_size: int  # rows in the step
 
 
 @dataclass
 class SequenceState:
-    """One request as a proposer sees it. ``ids`` is prompt + everything emitted so far (accepted only)."""
+    """One request as a proposer sees it. ``ids`` is prompt + everything emitted so far (see the module's cache
+    invariant); ``rng`` is the request's generator (on the target's device): draw drafts with it, nothing else."""
 
     ids: list[int]
     num_prompt: int
@@ -26,13 +68,15 @@ class SequenceState:
     rng: torch.Generator
     target: "Target"
     request_id: int = 0
-    # The target's cache, for diagnostics only: proposers must not modify it.
+    # The target's cache for this request (has ``length``: cached tokens), for diagnostics only: never modify it.
     target_cache: object | None = None
-    # A proposer's private per-sequence state (its draft cache, its index), keyed by whatever it likes.
+    # Per-request state, keyed by name: a proposer's own under its name (its draft cache, its index), a policy's
+    # under its own; the keys in ENGINE_SCRATCH_KEYS are the engine's.
     scratch: dict = field(default_factory=dict)
     # The target's features (``needs_features``) of the prompt's prefilled positions (all but its last token),
-    # where the loop's prefill computed them; a proposer may take them in ``begin`` instead of a second pass.
-    prompt_features: dict | None = None
+    # [num_prompt - 1, h] each, computed by the engine's prefill: a proposer may take them in ``begin`` instead of
+    # a second pass (and may set this to None once taken). None for a one-token prompt.
+    prompt_features: dict[str, torch.Tensor] | None = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -42,27 +86,50 @@ class SequenceState:
 class Proposer:
     """Base class of every draft proposer, built-in or plugin.
 
-    Contract: ``propose`` returns at most k tokens **and the distribution q each was drawn from**
-    (drawn with ``seq.rng``); the verifier does the rest, so the output is exact for any honest q.
-    ``needs_features`` names the target features ``observe`` should receive (e.g. ``("last",)``).
+    Contract: ``propose`` returns at most k tokens **and the distribution q each was drawn from** (drawn with
+    ``seq.rng``), or a point mass (``q=None``) for a deterministic drafter; the verifier does the rest, so the
+    output is exact for any honest q. Tensors may live anywhere: the engine moves proposals to the target's
+    device (building them there saves the copy).
+
+    Class attributes a proposer may set:
+
+    - ``name``: how errors, warnings and the bench name it (the registry sets it to the registered name);
+    - ``needs_features``: target features ``observe`` receives in ``verdict.features`` (``"last"``: the
+      final-normed last hidden state; ``"layer:N"``: layer N's output), each [accepted + 1, h] for the verified
+      positions, and ``seq.prompt_features`` for the prompt's;
+    - ``conformance_options``: keyword options ``specplug check`` passes to the factory to build it for the
+      kit's tiny target (``"@kit-draft"`` stands for the kit's tiny draft model's directory).
+
+    For batches a proposer may also implement ``propose_batch`` (see :class:`BatchProposer`).
     """
 
     name: str = "proposer"
     needs_features: tuple[str, ...] = ()
+    conformance_options: ClassVar[dict[str, object]] = {}
 
     def begin(self, seq: SequenceState) -> None:
-        """A new sequence starts: prompt ids, sampling params, rng and target are in ``seq``."""
+        """A new request starts: prompt ids, sampling params, rng and target are in ``seq``."""
 
     def propose(self, seq: SequenceState, k: int) -> Proposal:
-        """At most ``k`` draft tokens continuing ``seq.ids``, each drawn from the q it reports."""
+        """At most ``k`` (>= 1) draft tokens continuing ``seq.ids``, each drawn from the q it reports."""
         raise NotImplementedError
 
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:
         """The step's outcome; ``seq.ids`` already holds the emitted tokens. Roll back private state here."""
 
     def end(self, seq: SequenceState) -> None:
-        """The sequence finished; release per-sequence state."""
+        """The request finished (or failed, or was abandoned); release per-request state."""
 
     def memory_bytes(self) -> int:
         """Extra memory this proposer holds (weights, caches), for the bench."""
         return 0
+
+
+@runtime_checkable
+class BatchProposer(Protocol):
+    """A proposer that drafts for several requests in one call (e.g. one pass of a draft model over all rows)."""
+
+    def propose_batch(self, seqs: Sequence[SequenceState], ks: Sequence[int]) -> list[Proposal]:
+        """One proposal per sequence (at most ``ks[i]`` >= 1 tokens), each drawn
+        with its own ``seqs[i].rng`` exactly as ``propose`` would. A raise makes every row of the call fall back."""
+        ...

@@ -41,6 +41,18 @@ def _q_zero(V):
     return Proposal(torch.tensor([1]), q)
 
 
+@pytest.fixture(params=["single", "batched"])
+def decode(request):
+    """The same request alone (``generate``) or as row 0 of a batch beside a twin (``generate_batch``): one engine,
+    one set of rules. Returns row 0's result."""
+    if request.param == "single":
+        return specplug.generate
+
+    def batched(target, proposer, prompt, **options):
+        return specplug.generate_batch(target, proposer, [prompt, prompt], **options)[0]
+    return batched
+
+
 BAD_PROPOSALS = [
     ("zero-q", _q_zero, "q = 0"),
     ("not-a-distribution", lambda V: Proposal(torch.tensor([1]), torch.full((1, V), 0.5)), "not a distribution"),
@@ -50,50 +62,50 @@ BAD_PROPOSALS = [
 ]
 
 
-def test_raising_proposer_falls_back_to_target_steps_counted_and_warned_once(tiny_target):
+def test_raising_proposer_falls_back_to_target_steps_counted_and_warned_once(tiny_target, decode):
     with pytest.warns(UserWarning, match="raiser") as caught:
-        result = specplug.generate(tiny_target, Raising(), "def add(a, b):", max_new_tokens=20,
-                                   sampling=specplug.GREEDY)
+        result = decode(tiny_target, Raising(), "def add(a, b):", max_new_tokens=20, sampling=specplug.GREEDY)
     base = specplug.generate(tiny_target, None, "def add(a, b):", max_new_tokens=20, sampling=specplug.GREEDY)
     assert result.tokens == base.tokens
     # steps 6..19 raise (the 20th asks for no draft: one token left)
     assert result.stats.fallback_steps == 14 and len([w for w in caught if "raiser" in str(w.message)]) == 1
 
 
-def test_raising_proposer_in_strict_mode_is_an_error_naming_it_with_partial_output(tiny_target):
+def test_raising_proposer_in_strict_mode_is_an_error_naming_it_with_partial_output(tiny_target, decode):
     with pytest.raises(specplug.SpeculationError, match="proposer 'raiser'.*boom") as info:
-        specplug.generate(tiny_target, Raising(), "def add(a, b):", max_new_tokens=20, strict=True)
+        decode(tiny_target, Raising(), "def add(a, b):", max_new_tokens=20, strict=True,
+               sampling=specplug.SamplingParams(seed=0))
     assert info.value.proposer == "raiser" and len(info.value.partial.tokens) == 5
 
 
-def test_more_tokens_than_asked_is_an_error_naming_the_proposer(tiny_target):
+def test_more_tokens_than_asked_is_an_error_naming_the_proposer(tiny_target, decode):
     with pytest.raises(specplug.SpeculationError, match="proposer 'too-many'.*proposed .* when asked for at most"):
-        specplug.generate(tiny_target, TooMany(), "def add(a, b):", max_new_tokens=20)
+        decode(tiny_target, TooMany(), "def add(a, b):", max_new_tokens=20)
 
 
 @pytest.mark.parametrize("name, make, message", BAD_PROPOSALS, ids=[b[0] for b in BAD_PROPOSALS])
-def test_invalid_proposal_is_an_error_naming_the_proposer_and_keeping_the_output(name, make, message, tiny_target):
+def test_invalid_proposal_is_an_error_naming_the_proposer_and_keeping_the_output(name, make, message, tiny_target,
+                                                                                decode):
     with pytest.raises(specplug.SpeculationError, match=f"proposer '{name}'.*{message}") as info:
-        specplug.generate(tiny_target, BadAfterFive(name, make), "def add(a, b):", max_new_tokens=20,
-                          sampling=specplug.GREEDY)
+        decode(tiny_target, BadAfterFive(name, make), "def add(a, b):", max_new_tokens=20, sampling=specplug.GREEDY)
     base = specplug.generate(tiny_target, None, "def add(a, b):", max_new_tokens=5, sampling=specplug.GREEDY)
     assert info.value.partial.tokens == base.tokens  # the five tokens before the bad proposal survive
 
 
-def test_empty_prompt_is_an_error(tiny_target):
+def test_empty_prompt_is_an_error(tiny_target, decode):
     for empty in ("", []):
         with pytest.raises(ValueError, match="empty prompt"):
-            specplug.generate(tiny_target, None, empty)
+            decode(tiny_target, None, empty)
 
 
-def test_prompt_longer_than_positions_is_an_error(tiny_target):
+def test_prompt_longer_than_positions_is_an_error(tiny_target, decode):
     with pytest.raises(ValueError, match="positions"):
-        specplug.generate(tiny_target, None, [1] * 600)
+        decode(tiny_target, None, [1] * 600)
 
 
-def test_prompt_token_out_of_range_is_an_error(tiny_target):
+def test_prompt_token_out_of_range_is_an_error(tiny_target, decode):
     with pytest.raises(ValueError, match="outside the target vocabulary"):
-        specplug.generate(tiny_target, None, [1, 10_000])
+        decode(tiny_target, None, [1, 10_000])
 
 
 def test_draft_with_another_vocabulary_is_refused_when_composed(tiny_target, small_vocab_dirs):

@@ -49,6 +49,14 @@ class NoisyOracle(Proposer):
         return Proposal.point_mass(out)
 
 
+@pytest.fixture(scope="module")
+def tiny_hf_target(tiny_dirs):
+    """The tiny target on HF's own forward (the padded fallback), not the lean one."""
+    target = specplug.Target.from_pretrained(tiny_dirs["target"], lean=False)
+    assert target.lean is None and target.lean_note.startswith("lean=False")
+    return target
+
+
 def alone(target, prop, prompt, budget, sampling, gamma=4):
     return specplug.generate(target, prop, prompt, max_new_tokens=budget, sampling=sampling,
                              num_speculative_tokens=gamma, strict=True)
@@ -132,6 +140,45 @@ def batched_pvalue(small_target, prop, sampling):
     return chi_square_pvalue(counts, expected)
 
 
+MIXED = {"temperature-1": specplug.SamplingParams(temperature=1.0),
+         "top-k-3": specplug.SamplingParams(temperature=1.0, top_k=3),
+         "top-p-0.8-temp-0.7": specplug.SamplingParams(temperature=0.7, top_p=0.8)}
+
+
+def mixed_pvalues(target, prop, calls=20, rows=60):
+    """One chi-square p-value per setting of MIXED, from batches whose rows take the settings in turn (plus a
+    greedy row, which must not disturb the others), each row against its own setting's exact distribution."""
+    names = list(MIXED)
+    counts = {name: Counter() for name in names}
+    for call in range(calls):
+        params = [specplug.SamplingParams(**{**MIXED[names[r % 3]].to_dict(), "seed": call * 1000 + r})
+                  for r in range(rows)] + [specplug.GREEDY]
+        out = generate_batch(target, prop, [SMALL_PROMPT] * (rows + 1), max_new_tokens=N_TOKENS, sampling=params,
+                             num_speculative_tokens=2, strict=True)
+        for r, result in enumerate(out[:rows]):
+            counts[names[r % 3]][tuple(result.tokens)] += 1
+    return {name: chi_square_pvalue(counts[name], exact_distribution(target, SMALL_PROMPT, N_TOKENS, MIXED[name]))
+            for name in names}
+
+
+@pytest.mark.parametrize("name, lean", [("draft-model", True), ("ngram", True), ("draft-model", False)],
+                         ids=["draft-model", "ngram", "draft-model-hf-padded"])
+def test_each_row_of_a_batch_with_mixed_settings_matches_its_own_target_distribution(name, lean, small_vocab_dirs,
+                                                                                      small_target):
+    target = small_target if lean else specplug.Target.from_pretrained(small_vocab_dirs["target"], lean=False)
+    pvalues = mixed_pvalues(target, proposer(name, small_vocab_dirs, target))
+    assert min(pvalues.values()) > EXACTNESS_ALPHA, pvalues
+
+
+def test_mixed_settings_harness_has_power(small_vocab_dirs, small_target, monkeypatch):
+    """p and q swapped in the rule: caught in every setting of the mixed batch."""
+    import specplug.verifier.rule as rule
+
+    monkeypatch.setattr(rule, "acceptance_probability", lambda p_x, q_x: torch.clamp(q_x / p_x, max=1.0))
+    pvalues = mixed_pvalues(small_target, proposer("draft-model", small_vocab_dirs, small_target), calls=10)
+    assert max(pvalues.values()) < EXACTNESS_ALPHA, pvalues
+
+
 def test_harness_on_batches_has_power(small_vocab_dirs, small_target, monkeypatch):
     """A mutant verifier (residual replaced by p) is caught by the same batched harness."""
     import specplug.verifier.rule as rule
@@ -180,20 +227,35 @@ def test_stop_strings_per_row(tiny_dirs, tiny_target):
 
 # --- cache hygiene --------------------------------------------------------------------------------------
 class CacheChecker(NoisyOracle):
-    """After every step: the row's count of cached tokens, its valid slots and the sequence agree."""
+    """After every step: the row's count of cached target tokens and the sequence agree (on the padded HF
+    fallback, its valid slots too)."""
 
     def observe(self, seq, verdict):
         view = seq.target_cache
-        assert isinstance(view, BatchCacheView)
-        assert view.length == len(seq.ids) - 1 == int(view.batch.valid[view.row].sum())
-        assert view.batch.cache.get_seq_length() == view.batch.slots
-        self.max_slots = max(getattr(self, "max_slots", 0), view.batch.slots)
-        self.compactions = view.batch.compactions
+        assert view.length == len(seq.ids) - 1
+        if isinstance(view, BatchCacheView):
+            assert view.length == int(view.batch.valid[view.row].sum())
+            assert view.batch.cache.get_seq_length() == view.batch.slots
+            self.max_slots = max(getattr(self, "max_slots", 0), view.batch.slots)
+            self.compactions = view.batch.compactions
+        else:  # the lean path: a cache of its own, every layer as long as the row
+            assert {layer.length for layer in view.layers} == {view.length}
+            self.caches = getattr(self, "caches", {})
+            self.caches.setdefault(seq.request_id, view)
+            assert self.caches[seq.request_id] is view  # joins and leaves never move a row's cache
 
 
-def test_cache_bookkeeping_and_compaction(tiny_target):
+def test_lean_rows_keep_a_cache_each_that_follows_the_accepted_sequence(tiny_target):
+    assert tiny_target.lean is not None
     checker = CacheChecker(tiny_target)
-    out = generate_batch(tiny_target, checker, PROMPTS, max_new_tokens=[120, 40, 120, 120, 120],
+    generate_batch(tiny_target, checker, PROMPTS, max_new_tokens=[60, 20, 60, 60, 60], sampling=specplug.GREEDY,
+                   num_speculative_tokens=5, strict=True, max_batch_size=3)
+    assert len(checker.caches) == len(PROMPTS)
+
+
+def test_padded_fallback_cache_bookkeeping_and_compaction(tiny_hf_target):
+    checker = CacheChecker(tiny_hf_target)
+    out = generate_batch(tiny_hf_target, checker, PROMPTS, max_new_tokens=[120, 40, 120, 120, 120],
                          sampling=specplug.GREEDY, num_speculative_tokens=5, strict=True)
     longest = max(len(r.prompt_ids) + len(r.tokens) for r in out)
     # holes are compacted away: the shared cache never grows far past the longest row

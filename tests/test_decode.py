@@ -26,13 +26,13 @@ def test_greedy_speculative_output_equals_target_only_token_for_token(name, tiny
 
 
 class CacheChecker(DraftModelProposer):
-    """After every step: the real cache lengths (HF's, or every lean layer's) match the bookkeeping and the
-    accepted sequence."""
+    """After every step: the target's cache for the row and the draft's cache (HF's, or every lean layer's) match
+    the bookkeeping and the accepted sequence."""
 
     def observe(self, seq, verdict):
         super().observe(seq, verdict)
         target_state, draft_state = seq.target_cache, seq.scratch[self.name]
-        assert target_state.cache.get_seq_length() == target_state.length == len(seq.ids) - 1
+        assert target_state.get_seq_length() == target_state.length == len(seq.ids) - 1
         if self.lean is None:
             assert draft_state.cache.get_seq_length() == draft_state.length
         else:

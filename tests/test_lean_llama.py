@@ -100,7 +100,7 @@ def test_lean_path_that_disagrees_with_hf_is_refused(tiny_dirs, monkeypatch):
 def test_lean_target_scores_and_features_equal_hf_forward_through_rollbacks(tiny_dirs):
     lean = specplug.Target.from_pretrained(tiny_dirs["target"])
     hf = specplug.Target.from_pretrained(tiny_dirs["target"], lean=False)
-    assert lean.lean is not None and hf.lean is None and hf.lean_note == "lean=False"
+    assert lean.lean is not None and hf.lean is None and hf.lean_note.startswith("lean=False")
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, lean.vocab_size, (40,), generator=gen).tolist()
     states = {t: t.prefill(ids[:12]) for t in (lean, hf)}

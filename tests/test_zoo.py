@@ -82,3 +82,26 @@ def test_verify_pass_scores_each_position_bit_identically_to_a_one_token_step(py
         one_by_one = torch.cat([lean.run(cache, [t])[0] for t in tokens])
         cache.crop(start)
         assert torch.equal(together, one_by_one), n
+
+
+@pytest.mark.slow
+def test_zoo_greedy_batched_output_equals_target_only_row_by_row(pycode):
+    """Row by row at B = 1, 4, 16, with draft-model and target-only, where the load probe found a product path
+    on which every verified position is bit-identical to a one-token step (else the note says why not)."""
+    if not pycode.verify_bit_identical:
+        pytest.skip(f"no bit-identical product path on this machine: {pycode.lean_note}")
+    prompts = humaneval_prompts(16)
+    want = [specplug.generate(pycode, None, p, max_new_tokens=32, sampling=specplug.GREEDY).tokens for p in prompts]
+    draft = specplug.get_proposer("draft-model", target=pycode)
+    for B in (1, 4, 16):
+        for proposer in (None, draft):
+            got = specplug.generate_batch(pycode, proposer, prompts, max_new_tokens=32, sampling=specplug.GREEDY,
+                                          max_batch_size=B)
+            assert [r.tokens for r in got] == want, (B, proposer)
+
+
+def test_zoo_target_says_whether_its_verify_passes_are_bit_identical(pycode):
+    assert set(pycode.bit_identity) == {"single", "batched"}
+    assert pycode.verify_bit_identical == all(pycode.bit_identity.values())
+    if not pycode.verify_bit_identical:
+        assert "not bit-identical" in pycode.lean_note
