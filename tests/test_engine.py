@@ -1,7 +1,6 @@
 """The one decode engine: the same rules for one request and for a batch, and the bugs found reading the two
 loops it replaced (each test here failed on them)."""
 import types
-import warnings
 
 import pytest
 import torch
