@@ -57,9 +57,11 @@ def notes(report: dict, wide: bool = False) -> list[str]:
     for b in report["baseline"]:
         lines.append(f"target-only {b['workload']} T={b['temperature']:g}: "
                      f"{_fmt(b['target_step_time_s'] * 1e3, '.2f')} ms a step, {_fmt(b['tokens_per_second'], '.0f')} tok/s")
-    for c in _sorted_cells(report):
-        if c.get("flags"):
-            lines.append(f"busy! {c['proposer']} T={c['temperature']:g} γ={c['gamma']}: {BUSY} ({'; '.join(c['flags'])})")
+    flagged = [c for c in _sorted_cells(report) if c.get("flags")]
+    if flagged:
+        lines.append(f"busy!: {BUSY}")
+    for c in flagged:
+        lines.append(f"  {c['proposer']} T={c['temperature']:g} γ={c['gamma']}: {'; '.join(c['flags'])}")
     if report["machine"].get("wall_time_s"):
         lines.append(f"measured in {report['machine']['wall_time_s']:.0f} s on {report['machine']['threads']} thread(s)")
     for c in summary(report):
