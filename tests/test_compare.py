@@ -145,7 +145,8 @@ def _report(repeats=2, prompts=5, base_slow=lambda rep, pi: 1.0, cell_slow=lambd
     for rep in range(repeats):
         for pi in range(prompts):
             pair, length = ("w", pi, 0, rep, 0.0), 1 + 0.05 * (pi % 3)
-            runs.setdefault(("baseline", "w", 0.0), []).append((pair, _run(60, 0, 0, 0, 1, length * base_slow(rep, pi))))
+            baseline = _run(60, 0, 0, 0, 1, length * base_slow(rep, pi))
+            runs.setdefault(("baseline", "w", 0.0), []).append((pair, baseline))
             for label, g, acc, c, v in cells:
                 runs.setdefault((label, "w", 0.0, g), []).append(
                     (pair, _run(60, g, acc, c, v, length * cell_slow(label, rep, pi))))
