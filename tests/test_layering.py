@@ -148,7 +148,8 @@ def test_a_clean_planted_tree_passes(tmp_path):
 
 
 def test_a_verifier_importing_the_target_is_caught(tmp_path):
-    root = _planted(tmp_path, {"verifier/rule.py": "import torch\n\ndef f():\n    from specplug.target import Target\n"})
+    planted = "import torch\n\ndef f():\n    from specplug.target import Target\n"
+    root = _planted(tmp_path, {"verifier/rule.py": planted})
     assert violations(root) == ["specplug.verifier.rule:4 imports specplug.target: "
                                 "the verifier imports only torch and numpy"]
 
@@ -178,7 +179,8 @@ def test_the_loop_importing_a_concrete_proposer_is_caught(tmp_path):
 
 
 def test_training_taking_a_proposers_private_name_is_caught(tmp_path):
-    root = _planted(tmp_path, {"specplug/training/eagle.py": "def f():\n    from specplug.proposers.eagle import _rope\n",
+    root = _planted(tmp_path, {"specplug/training/eagle.py":
+                               "def f():\n    from specplug.proposers.eagle import _rope\n",
                                "specplug/training/mtp.py": "from specplug.proposers.eagle import EagleHead\n"})
     assert violations(root) == ["specplug.training.eagle:2 imports specplug.proposers.eagle: "
                                 "training reaches proposers through public names only, not _rope"]

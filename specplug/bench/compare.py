@@ -114,6 +114,7 @@ def register_peer(name: str, peer: Peer) -> None:
 
 
 def get_peer(name: str) -> Peer:
+    """The peer registered as ``name``; a ValueError naming the known ones otherwise."""
     if name not in PEERS:
         raise ValueError(f"unknown peer {name!r}; known: {', '.join(sorted(PEERS))}")
     return PEERS[name]
@@ -148,7 +149,8 @@ def run_compare(target: Target, specs: Sequence[ProposerSpec], workloads: Sequen
     # which of our cells each peer run is measured against: the first spec of the matching proposer
     ours = {}
     for run_name, name in (peer_spec.ours.items() if peer_spec else ()):
-        ours[run_name] = "target-only" if name == "target-only" else next((s.label for s in specs if s.name == name), None)
+        mine = next((s.label for s in specs if s.name == name), None)
+        ours[run_name] = "target-only" if name == "target-only" else mine
     settings = {"max_new_tokens": max_new_tokens, "repeats": repeats, "gammas": list(gammas),
                 "temperatures": list(temperatures), "peer": peer,
                 "workloads": [{"name": w.name, "prompts": len(w.prompts), "samples": w.samples} for w in workloads]}
@@ -309,7 +311,8 @@ def _cell_row(key, entries, base_by_pair, base_slow, base_step, memory_bytes) ->
         "token_latency_p50_s": pooled["token_latency_p50_s"], "token_latency_p99_s": pooled["token_latency_p99_s"],
         "time_to_finish_p50_s": pooled["time_to_finish_p50_s"], "time_to_finish_p90_s": pooled["time_to_finish_p90_s"],
         "fallback_steps": pooled["fallback_steps"],
-        "greedy_equal_to_target_only": (all(r.tokens == base_by_pair[p].tokens for p, r in entries) if t == 0 else None),
+        "greedy_equal_to_target_only": (all(r.tokens == base_by_pair[p].tokens for p, r in entries)
+                                        if t == 0 else None),
         "memory_bytes": memory_bytes,
     }
 

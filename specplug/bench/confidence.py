@@ -66,7 +66,7 @@ def inconsistencies(speedup: float | None, bound: float | None, slow_runs: int, 
     """Why a cell's figures cannot be trusted as measured, one reason each; empty when they can."""
     reasons = []
     if speedup is not None and bound is not None and speedup > OVER_BOUND * bound:
-        reasons.append(f"speed-up {speedup:.2f}x is above the {bound:.2f}x its τ, c and v allow")
+        reasons.append(f"speed-up {speedup:.2f}x > the {bound:.2f}x its τ, c and v allow")
     if runs and slow_runs / runs >= SLOW_SHARE:
-        reasons.append(f"{slow_runs} of {runs} paired runs ran ≥{SLOW - 1:.0%} slower than a repeat of the same work")
+        reasons.append(f"{slow_runs} of {runs} runs took ≥{SLOW - 1:.0%} longer than a repeat")
     return reasons

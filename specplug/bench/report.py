@@ -56,12 +56,16 @@ def notes(report: dict, wide: bool = False) -> list[str]:
                      "so greedy output may part from target-only's where two tokens nearly tie.")
     for b in report["baseline"]:
         lines.append(f"target-only {b['workload']} T={b['temperature']:g}: "
-                     f"{_fmt(b['target_step_time_s'] * 1e3, '.2f')} ms a step, {_fmt(b['tokens_per_second'], '.0f')} tok/s")
-    for c in _sorted_cells(report):
-        if c.get("flags"):
-            lines.append(f"busy! {c['proposer']} T={c['temperature']:g} γ={c['gamma']}: {BUSY} ({'; '.join(c['flags'])})")
+                     f"{_fmt(b['target_step_time_s'] * 1e3, '.2f')} ms a step, "
+                     f"{_fmt(b['tokens_per_second'], '.0f')} tok/s")
+    flagged = [c for c in _sorted_cells(report) if c.get("flags")]
+    if flagged:
+        lines.append(f"busy!: {BUSY}")
+    for c in flagged:
+        lines.append(f"  {c['proposer']} T={c['temperature']:g} γ={c['gamma']}: {'; '.join(c['flags'])}")
     if report["machine"].get("wall_time_s"):
-        lines.append(f"measured in {report['machine']['wall_time_s']:.0f} s on {report['machine']['threads']} thread(s)")
+        machine = report["machine"]
+        lines.append(f"measured in {machine['wall_time_s']:.0f} s on {machine['threads']} thread(s)")
     for c in summary(report):
         lines.append(f"best at T={c['temperature']:g} on {c['workload']}: {c['proposer']} γ={c['gamma']}, {_speedup(c)}"
                      + (" (flagged)" if c.get("flags") else ""))
@@ -82,7 +86,8 @@ def _columns(report, wide: bool) -> list[str]:
 def _values(c, bit_identical) -> dict:
     return {
         "proposer": c["proposer"], "workload": c["workload"], "T": _fmt(c["temperature"], "g"), "γ": str(c["gamma"]),
-        "α": _fmt(c["acceptance_rate"]), "τ": _fmt(c["mean_acceptance_length"]), "c": _fmt(c["draft_cost_ratio"], ".3f"),
+        "α": _fmt(c["acceptance_rate"]), "τ": _fmt(c["mean_acceptance_length"]),
+        "c": _fmt(c["draft_cost_ratio"], ".3f"),
         "v": _fmt(c["verify_cost"]), "tok/s": _fmt(c["tokens_per_second"], ".1f"), "speed-up [95%]": _speedup(c),
         "predicted": _fmt(c["predicted_speedup"]), "meas/pred(v=1)": _fmt(c["measured_over_predicted"]),
         "meas/pred(v)": _fmt(c["measured_over_predicted_with_verify_cost"]),
@@ -96,7 +101,8 @@ def _values(c, bit_identical) -> dict:
 def _baseline_values(b) -> dict:
     return {"proposer": "target-only", "workload": b["workload"], "T": _fmt(b["temperature"], "g"), "γ": "0",
             "τ": "1.00", "v": "1.00", "tok/s": _fmt(b["tokens_per_second"], ".1f"), "speed-up [95%]": "1.00x",
-            "p50 ms": _fmt(b["token_latency_p50_s"] * 1e3, ".1f"), "p99 ms": _fmt(b["token_latency_p99_s"] * 1e3, ".1f"), "flag": ""}
+            "p50 ms": _fmt(b["token_latency_p50_s"] * 1e3, ".1f"), "p99 ms": _fmt(b["token_latency_p99_s"] * 1e3, ".1f"),
+            "flag": ""}
 
 
 def tables(report: dict, wide: bool = False) -> list:
@@ -170,7 +176,8 @@ def figures(report: dict) -> dict[str, str]:
                                                        [hi - y for y, (_, hi) in zip(ys, spans)]],
                     marker="o", capsize=3, label=f"{prop} · {wl} · T={t:g}")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="γ (draft tokens per step)", ylabel="speed-up over target-only (median, 95% interval)", title="Speed-up vs γ")
+    ax.set(xlabel="γ (draft tokens per step)", ylabel="speed-up over target-only (median, 95% interval)",
+           title="Speed-up vs γ")
     ax.legend(fontsize=7)
     out["speedup_vs_gamma"] = _png(fig)
 
