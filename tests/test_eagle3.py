@@ -98,6 +98,18 @@ def test_greedy_equals_target_only_on_tiny_models(small_target, tiny_target):
     assert out.stats.fallback_steps == 0
 
 
+def test_batched_greedy_equals_target_only(tiny_target):
+    from specplug.batch import generate_batch
+
+    prompts = ["def add(a, b):\n", "for i in range(10):\n", "class Point:\n"]
+    base = [specplug.generate(tiny_target, None, p, max_new_tokens=40, sampling=specplug.GREEDY).tokens
+            for p in prompts]
+    out = generate_batch(tiny_target, random_eagle3(tiny_target), prompts, max_new_tokens=40,
+                         sampling=specplug.GREEDY, num_speculative_tokens=3, strict=True)
+    assert [r.tokens for r in out] == base
+    assert sum(r.stats.draft_tokens for r in out) > 0
+
+
 def test_zoo_head_is_picked_automatically_and_greedy_is_exact():
     for name in ("pycode", DEFAULT_HEADS["pycode"]):
         if not (zoo.models_dir() / name / "model.safetensors").is_file():
@@ -209,11 +221,28 @@ def test_export_then_import_drafts_identically(deep_target, tmp_path):
     assert result.exit_code == 0, result.output
     config = (tmp_path / "spec" / "config.json").read_text()
     assert '"speculators_model_type": "eagle3"' in config and '"eagle_aux_hidden_state_layer_ids"' in config
+    published = published_layout(tmp_path / "spec", tmp_path / "published")
     for sampling in (specplug.GREEDY, specplug.SamplingParams(temperature=1.0)):
-        a, b = drafts(deep_target, mine, sampling), drafts(deep_target, tmp_path / "spec", sampling)
-        assert a.tokens.tolist() == b.tokens.tolist()
-        if a.q is not None:
-            assert torch.equal(a.q, b.q)
+        a = drafts(deep_target, mine, sampling)
+        for other in (tmp_path / "spec", published):
+            b = drafts(deep_target, other, sampling)
+            assert a.tokens.tolist() == b.tokens.tolist()
+            if a.q is not None:
+                assert torch.equal(a.q, b.q)
+
+
+def published_layout(spec_dir, out):
+    """The same head as the EAGLE-3 heads published for Llama verifiers store it: ``midlayer.*``, no embedding."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    shutil.copy(spec_dir / "config.json", out / "config.json")
+    weights = load_file(str(spec_dir / "model.safetensors"))
+    save_file({k.replace("layers.0.", "midlayer."): v for k, v in weights.items() if not k.startswith("embed_tokens")},
+              str(out / "model.safetensors"))
+    return out
 
 
 def test_export_refuses_layers_vllm_cannot_serve(small_target, tmp_path):
