@@ -84,6 +84,8 @@ def export_eagle3(head_dir: str | os.PathLike, out: str | os.PathLike, *, target
     layer_config = llama_config(cfg)
     layer_config.vocab_size = target.vocab_size
     layer_config.architectures = ["LlamaForCausalLM"]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the target's special tokens, not Llama's defaults
+        setattr(layer_config, key, getattr(target.model.config, key, None))
     layer_config._attn_implementation = "sdpa"  # speculators' default (flex attention) is for training
     verifier_path = str(zoo.resolve(target.name) if zoo.is_zoo_name(target.name) else (target.path or target.name))
     spec_config = Eagle3SpeculatorConfig(

@@ -1,4 +1,4 @@
-"""`specplug train eagle|mtp|continuations`: train feature heads for a frozen target, on its corpus or its own text.
+"""`specplug train eagle|eagle3|mtp|continuations`: train feature heads for a frozen target, on its corpus or its own text.
 
     specplug train eagle --target zoo:pycode --work-dir WORK/heads/eagle --out specplug/models/pycode-eagle
     specplug train mtp   --target zoo:pycode --work-dir WORK/heads/mtp   --out specplug/models/pycode-mtp
@@ -13,6 +13,8 @@ The bundled heads (common flags: --seq-len 512 --batch-size 8 --seed 1234 --eval
            specplug train continuations --out WORK/selfgen --cache-dir WORK/cache        (6 min; 2,048 x 208 tokens)
            --tokens 409600 --steps 600 --lr 2e-4 --warmup 10 --depth 2 --ckpt-every 25
            --data WORK/selfgen --init <the third>                                         (20 min)
+    eagle3 --tokens 204800 --steps 200 --lr 1e-3 --warmup 20 --depth 3 --ckpt-every 10
+           --init-shared specplug/models/pycode-eagle                                     (33 min, busy machine)
     mtp    --tokens 262144 --steps 120 --lr 1e-3 --warmup 20 --heads 4 --share-lm-head  (24 min)
     then   --tokens 409600 --steps 450 --lr 5e-4 --warmup 10 --heads 4 --share-lm-head --ckpt-every 10
            --data WORK/selfgen --init <the first>                                         (13 min)
