@@ -11,14 +11,12 @@ Why the post-norm feature: ``lm_head(f) == logits`` holds for the target's "last
 regresses exactly what the LM head consumes, at a fixed scale (RMS-normalised) that suits a smooth-L1 loss;
 the target's final norm is already inside f and is therefore not applied again (EAGLE-1 does the same).
 
-Cache invariant: between calls the head's cache holds only entries built from *verified* target features
-(entries 0..fed-1); the entries a draft adds are cropped before ``propose`` returns. ``observe`` queues the
-features of the newly verified positions, which the next ``propose`` feeds in one forward.
+The head's cache and the verified features it is built from are kept as :mod:`specplug.feature_heads`
+describes (shared with ``eagle3``).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -28,53 +26,13 @@ from specplug import draft_stop, few_rows, heads, int8_products, zoo
 from specplug.drafting_vocab import (Projection, projection_onto, read_ranks, same_subset, sampled_or_greedy,
                                      vocab_subset)
 from specplug.drafting_products import drafting_weights, linear_shapes
+from specplug.feature_heads import (KVCache, FeatureHeadProposer, attention_mask, head_config_for,
+                                    llama_config, reset_head_parameters)
 from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
-from specplug.sampling import draw
-from specplug.types import Proposal, Proposer, SequenceState, Verdict
+from specplug.types import SequenceState
 
 KIND = "eagle"
-_ARCH_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "rms_norm_eps", "rope_parameters", "max_position_embeddings", "vocab_size", "hidden_act")
-
-
-def head_config_for(target_config) -> dict:
-    """The head's architecture, mirrored from the target's (one layer of the same width)."""
-    cfg = {k: getattr(target_config, k, None) for k in _ARCH_KEYS}
-    cfg["head_dim"] = cfg["head_dim"] or target_config.hidden_size // target_config.num_attention_heads
-    cfg["hidden_act"] = cfg["hidden_act"] or "silu"
-    return {k: v for k, v in cfg.items() if v is not None}
-
-
-def _llama_config(head_config: dict):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**head_config, num_hidden_layers=1, attention_bias=False, mlp_bias=False,
-                       attn_implementation="sdpa")
-
-
-class KVCache:
-    """The head's own key/value cache: ``update`` is what HF's attention calls; ``crop`` rolls back."""
-
-    def __init__(self):
-        self.key: torch.Tensor | None = None
-        self.value: torch.Tensor | None = None
-
-    def update(self, key, value, layer_idx=0, *args, **kwargs):
-        if self.key is None:
-            self.key, self.value = key, value
-        else:
-            self.key = torch.cat([self.key, key], dim=2)
-            self.value = torch.cat([self.value, value], dim=2)
-        return self.key, self.value
-
-    @property
-    def length(self) -> int:
-        return 0 if self.key is None else self.key.shape[2]
-
-    def crop(self, length: int) -> None:
-        if self.key is not None and length < self.length:
-            self.key, self.value = self.key[:, :, :length], self.value[:, :, :length]
 
 
 class EagleHead(nn.Module):
@@ -85,7 +43,7 @@ class EagleHead(nn.Module):
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
         self.config = dict(config)
-        llama = _llama_config(self.config)
+        llama = llama_config(self.config)
         h = llama.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=True)
         self.layer = LlamaDecoderLayer(llama, layer_idx=0)
@@ -98,15 +56,7 @@ class EagleHead(nn.Module):
         return head
 
     def reset_parameters(self, seed: int = 0, std: float = 0.02) -> None:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        reset_head_parameters(self, seed, std)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, position_ids: torch.Tensor,
                 cache: KVCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -114,27 +64,12 @@ class EagleHead(nn.Module):
         (bool, [T, cached + T], True = attend): which keys each entry sees; default causal."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos_sin = self.rotary(x, position_ids)
-        q_len = x.shape[1]
-        past = cache.length if cache is not None else 0
-        if mask is not None:
-            mask = mask[None, None]
-        elif q_len > 1 and past > 0:  # bottom-right-aligned causal mask over [cache ; new]
-            rows = torch.arange(q_len, device=x.device)[:, None] + past
-            mask = (torch.arange(past + q_len, device=x.device)[None, :] <= rows)[None, None]
+        mask = attention_mask(x.shape[1], cache.length if cache is not None else 0, mask, x.device)
         return self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,
                           use_cache=cache is not None, position_embeddings=cos_sin)
 
 
-@dataclass
-class _State:
-    cache: LayerCache
-    base: int = 0        # position of the head's first entry (0 when the prompt's features were computed)
-    fed: int = 0         # positions base..fed-1 have entries in the cache (built from verified features)
-    known: int = 0       # verified target features exist for positions < known (those >= fed are pending)
-    pending: list = field(default_factory=list)  # feature tensors [n_i, h] for positions fed..known-1
-
-
-class EagleProposer(Proposer):
+class EagleProposer(FeatureHeadProposer):
     # the conformance kit's tiny target has no trained head: check the mechanism with a random one
     conformance_options = {"head": "random"}
     name = KIND
@@ -231,33 +166,21 @@ class EagleProposer(Proposer):
         embedding = target.embedding
         self.embedding_table = embedding.weight if type(embedding) is nn.Embedding else None
 
-    # --- per-sequence state ----------------------------------------------------------------------
-    def _state(self, seq: SequenceState) -> _State:
-        st = seq.scratch.get(self.name)
-        if st is None:
-            st = seq.scratch[self.name] = self._fresh(seq)
-        return st
+    # --- FeatureHeadProposer's hooks -------------------------------------------------------------
+    def _new_cache(self) -> LayerCache:
+        return self.lean_layer.new_cache()
 
-    def _fresh(self, seq: SequenceState, full: bool = True) -> _State:
-        """Restart from the verified sequence: queue the target's features of every position but the newest
-        (the prefill's, else one extra target forward), or, with ``full=False``, wait for the features the
-        loop delivers."""
-        if seq.target.model is not self.target.model:
-            raise ValueError(f"eagle: this proposer was built for target {self.target.name!r}, "
-                             f"not {seq.target.name!r}")
-        n = len(seq.ids)
-        if not full:
-            return _State(self.lean_layer.new_cache(), base=n - 1, fed=n - 1, known=n - 1)
-        # a loop that prefills with features may hand them over (seq.prompt_features); else one extra forward
-        given = (getattr(seq, "prompt_features", None) or {}).get("last")
-        if given is not None and given.shape[0] == n - 1 and n - 1 == seq.num_prompt - 1:
-            feats, seq.prompt_features = given, None  # taken: the sequence need not keep them
-        else:
-            feats = heads.prefix_features(seq.target, seq.ids[: n - 1])
-        return _State(self.lean_layer.new_cache(), base=0, fed=0, known=n - 1, pending=[feats] if n > 1 else [])
+    def _verified(self, features: dict) -> torch.Tensor | None:
+        return features.get("last")
 
-    def begin(self, seq: SequenceState) -> None:
-        seq.scratch[self.name] = self._fresh(seq, full=self.prompt_features)
+    def _catch_up(self, features, embeds, start, cache):
+        return self._step(features, embeds, start, cache)
+
+    def _draft_step(self, out, embeds, start, cache):
+        return self._step(out, embeds, start, cache)
+
+    def _projection_for(self, seq: SequenceState) -> Projection:
+        return self.greedy_projection if seq.sampling.greedy else self.sampled_projection
 
     def _step(self, features: torch.Tensor, embeds: torch.Tensor, start: int, cache: LayerCache) -> torch.Tensor:
         """The head's forward for one sequence: features, embeds [T, h] at positions start.. -> f^ [h] of the
@@ -265,54 +188,6 @@ class EagleProposer(Proposer):
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos, sin = self.rope.get(start, x.shape[0])
         return self.lean_layer(x, cos, sin, cache, keep=1)[-1]
-
-    def propose(self, seq: SequenceState, k: int) -> Proposal:
-        device = seq.target.device
-        st = self._state(seq)
-        n = len(seq.ids)
-        if st.known != n - 1:  # a step went by unobserved (e.g. a fallback step): rebuild from the target
-            st = seq.scratch[self.name] = self._fresh(seq)
-        if k <= 0 or not st.pending:
-            return Proposal.empty(device)
-        emb = self.target.embedding
-        projection = self.greedy_projection if seq.sampling.greedy else self.sampled_projection
-        with torch.inference_mode():
-            feats = torch.cat(st.pending).to(device=device, dtype=self.target.dtype)
-            start = st.fed
-            tokens = torch.tensor(seq.ids[start + 1: n], device=device)
-            f_hat = self._step(feats, emb(tokens), start, st.cache)
-            st.fed, st.pending = n - 1, []
-            drafted, q_rows = [], []
-            for j in range(k):
-                logits = projection.product(f_hat)
-                token, q = draw(logits, seq.sampling, seq.rng)
-                go_on = not self.stop_below or draft_stop.confidence(logits, token, q) >= self.stop_below
-                token, q = projection.token_and_q(token, q, self.vocab_size)
-                drafted.append(token)
-                if q is not None:
-                    q_rows.append(q)
-                if not go_on:
-                    break
-                if j + 1 < k:
-                    table = self.embedding_table
-                    embedded = table[token][None] if table is not None else emb(torch.tensor([token], device=device))
-                    f_hat = self._step(f_hat[None], embedded, n - 1 + j, st.cache)
-            st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
-        return Proposal(torch.tensor(drafted, device=device), torch.stack(q_rows) if q_rows else None)
-
-    def observe(self, seq: SequenceState, verdict: Verdict) -> None:
-        st = self._state(seq)
-        feats = (verdict.features or {}).get("last")
-        # the features cover [last, x1..x_accepted]; `last` sat at position len(ids) - 1 - (tokens emitted)
-        first = len(seq.ids) - 1 - len(verdict.tokens)
-        if feats is None or first != st.known:
-            st.known = -1  # out of step (a cut final step, or an unobserved one): rebuild on the next propose
-            return
-        st.pending.append(feats[: verdict.accepted + 1])
-        st.known += verdict.accepted + 1
-
-    def end(self, seq: SequenceState) -> None:
-        seq.scratch.pop(self.name, None)
 
     def memory_bytes(self) -> int:
         products = [*self.lean_layer.products(), self.fc]

@@ -299,6 +299,35 @@ def proposers_cmd(as_json: bool) -> None:
         console.print(f"[red]plugin {f.plugin!r} from {f.source!r} failed to load:[/red] {f.error}")
 
 
+@main.command("export")
+@click.argument("head")
+@click.option("--format", "fmt", type=click.Choice(["speculators"]), default="speculators", show_default=True,
+              help="speculators: the EAGLE-3 format vLLM serves (speculative_config={'model': OUT, ...})")
+@click.option("--out", type=click.Path(file_okay=False), required=True, help="directory to write")
+@click.option("--target", "-t", default=None, help="the head's target (default: the one its config names)")
+@click.option("--speculative-tokens", default=3, show_default=True, type=click.IntRange(min=1),
+              help="γ the exported config proposes (vLLM's default num_speculative_tokens)")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True)
+def export_cmd(head, fmt, out, target, speculative_tokens, dtype) -> None:
+    """Write a trained head (a directory or zoo: name, e.g. zoo:pycode-eagle3) in another format."""
+    import torch
+
+    from specplug.speculators_format import SpeculatorsMissingError, export_eagle3
+
+    _quiet_transformers()
+    tgt = None
+    if target:
+        from specplug.target import Target
+
+        tgt = Target.from_pretrained(target, matmul_dtype=None)
+    try:
+        path = export_eagle3(head, out, target=tgt, speculative_tokens=speculative_tokens, dtype=getattr(torch, dtype))
+    except (SpeculatorsMissingError, ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"exported {head} -> {path} ({fmt}); serve it with vLLM: speculative_config="
+               f"{{'method': 'eagle3', 'model': '{path}', 'num_speculative_tokens': {speculative_tokens}}}")
+
+
 def _attach_training() -> None:
     """``specplug train tokenizer|target|draft|export|eagle|mtp``: the commands that made the bundled zoo."""
     from specplug.training.cli import train_group

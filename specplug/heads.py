@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -190,18 +190,22 @@ def resolve_head_path(head: str | os.PathLike) -> Path:
     return Path(head)
 
 
-def prefix_features(target, ids, feature: str = "last") -> torch.Tensor:
-    """The target's feature (``"last"``: final-normed last hidden state) at every position of ``ids`` [n, H],
-    from one forward without a cache — what a feature head needs for a prompt the decode loop prefilled."""
+def prefix_features(target, ids, feature: str | Sequence[str] = "last") -> torch.Tensor | dict[str, torch.Tensor]:
+    """The target's feature at every position of ``ids`` [n, H] (``"last"``: the final-normed last hidden
+    state; ``"layer:N"``: layer N's output), or a dict of several (``feature`` a sequence of names), from one
+    forward without a cache — what a feature head needs for a prompt the decode loop prefilled."""
+    from .target import feature_layer
+
     model = _model_of(target)
+    names = (feature,) if isinstance(feature, str) else tuple(feature)
+    layers = {name: feature_layer(name, model.config.num_hidden_layers) for name in names}
     device = next(model.parameters()).device
     x = torch.as_tensor(list(ids), dtype=torch.long, device=device).reshape(1, -1)
     if x.shape[1] == 0:
-        return torch.zeros(0, model.config.hidden_size, device=device, dtype=next(model.parameters()).dtype)
-    with torch.inference_mode():
-        out = model(input_ids=x, output_hidden_states=True, use_cache=False, logits_to_keep=1)
-    if feature == "last":
-        return out.hidden_states[-1][0].clone()
-    if feature.startswith("layer:"):
-        return out.hidden_states[int(feature.split(":", 1)[1])][0].clone()
-    raise ValueError(f"unknown target feature {feature!r}")
+        empty = torch.zeros(0, model.config.hidden_size, device=device, dtype=next(model.parameters()).dtype)
+        out = {name: empty for name in names}
+    else:
+        with torch.inference_mode():
+            hidden = model(input_ids=x, output_hidden_states=True, use_cache=False, logits_to_keep=1).hidden_states
+        out = {name: hidden[i][0].clone() for name, i in layers.items()}
+    return out[feature] if isinstance(feature, str) else out

@@ -23,7 +23,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -74,12 +74,13 @@ def _stream(target, split: str, cache_dir: Path):
 
 
 def ensure_features(target, split: str, n_windows: int, seq_len: int, seed: int, cache_dir: Path,
-                    feature_dir: Path, log=print, batch: int = 4, stream: torch.Tensor | None = None
-                    ) -> dict[str, torch.Tensor]:
+                    feature_dir: Path, log=print, batch: int = 4, stream: torch.Tensor | None = None,
+                    layers: Sequence[int] = ()) -> dict[str, torch.Tensor]:
     """``{"tokens": [N, seq_len+1] int32, "features": [N, seq_len, H] fp16}``: N windows of the ``split``
     token stream (or of ``stream``) and the target's final-normed last hidden state at their first seq_len
-    positions (bf16 autocast). Computed once per (target fingerprint, split or stream, N, seq_len, seed) and
-    cached as safetensors."""
+    positions (bf16 autocast), followed along the last axis by the outputs of ``layers`` (HF hidden_states
+    indices; then [N, seq_len, H·(1 + len(layers))]). Computed once per (target fingerprint, split or stream,
+    N, seq_len, seed, layers) and cached as safetensors."""
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
@@ -91,6 +92,8 @@ def ensure_features(target, split: str, n_windows: int, seq_len: int, seed: int,
     source = split
     if stream is not None:  # named by its content, so other continuations never reuse these features
         source = f"{split}-data{hashlib.sha256(stream.to(torch.int32).numpy().tobytes()).hexdigest()[:12]}"
+    if layers:
+        source += "-L" + ".".join(str(i) for i in layers)
     path = feature_dir / f"features-{fp}-{source}-{n_windows}x{seq_len}-s{seed}.safetensors"
     if path.exists():
         log(f"features: reusing {path}")
@@ -109,7 +112,8 @@ def ensure_features(target, split: str, n_windows: int, seq_len: int, seed: int,
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(input_ids=x[:, :seq_len], output_hidden_states=True, use_cache=False, logits_to_keep=1)
         tokens.append(x.to(torch.int32))
-        feats.append(out.hidden_states[-1].to(torch.float16))
+        hidden = out.hidden_states
+        feats.append(torch.cat([hidden[-1], *(hidden[i] for i in layers)], dim=-1).to(torch.float16))
         bar.update(b)
     bar.close()
     data = {"tokens": torch.cat(tokens).contiguous(), "features": torch.cat(feats).contiguous()}
@@ -213,7 +217,7 @@ def train_head(args: HeadTrainArgs, kind: str, module: torch.nn.Module, loss_fn:
     return {"finished": True, **snapshot()}
 
 
-def _prepare(args: HeadTrainArgs, log):
+def prepare_run(args: HeadTrainArgs, log, layers: Sequence[int] = ()):
     torch.manual_seed(args.seed)
     target = load_frozen_target(args.target)
     work = Path(args.work_dir)
@@ -228,11 +232,11 @@ def _prepare(args: HeadTrainArgs, log):
         stream = read_continuations(args.data, target)
         log(f"training on {stream.numel()} tokens of the target's continuations in {args.data}")
     data = ensure_features(target, "train", n_windows, args.seq_len, args.seed, cache, feature_dir, log,
-                           stream=stream)
+                           stream=stream, layers=layers)
     return target, data, cache, feature_dir
 
 
-def _finish(args: HeadTrainArgs, kind: str, module, target, res: dict, figures: dict, log) -> dict:
+def finish_run(args: HeadTrainArgs, kind: str, module, target, res: dict, figures: dict, log) -> dict:
     from specplug.heads import save_head
 
     res = {**res, **figures}
@@ -294,7 +298,7 @@ def unroll(head, features: torch.Tensor, embeds: torch.Tensor, depth: int) -> li
     """The head's predictions at depths 1..depth for every entry of a window (features, embeds [B, L, h]:
     entry p reads embeds[:, p] and, at depth 1, features[:, p]); depth d at entry p is what drafting computes
     at p when it started from verified position p-d+1 (entries p < d-1 have no such start: ignore them)."""
-    from specplug.proposers.eagle import KVCache
+    from specplug.feature_heads import KVCache
 
     b, length, _ = features.shape
     pos = torch.arange(length)[None].expand(b, -1)
@@ -365,7 +369,7 @@ def eagle_figures(head, target, data, max_depth: int = 4) -> dict:
     accept.append(torch.minimum(p, q).sum(-1).mean().item())
     # depths 2..: from a few start points s, the head continues on its own predicted features (with the
     # corpus tokens, as after accepted drafts); depth d predicts the token after position s+d
-    from specplug.proposers.eagle import KVCache
+    from specplug.feature_heads import KVCache
 
     hits, accs = [[] for _ in range(max_depth + 1)], [[] for _ in range(max_depth + 1)]
     for s in range(t // 8, t - max_depth - 1, max(1, t // 8)):
@@ -392,7 +396,7 @@ def train_eagle(args: HeadTrainArgs, log=print) -> dict:
 
     extra = {**EAGLE_DEFAULTS, **args.extra}
     args.extra = extra
-    target, data, cache, feature_dir = _prepare(args, log)
+    target, data, cache, feature_dir = prepare_run(args, log)
     head = EagleHead.for_target(target.model.config, seed=args.seed)
     if extra.get("init"):
         init_from(head, KIND, extra, target)
@@ -407,4 +411,4 @@ def train_eagle(args: HeadTrainArgs, log=print) -> dict:
     held = ensure_features(target, "heldout", args.eval_windows, args.seq_len, args.seed, cache, feature_dir, log)
     figures = eagle_figures(head, target, held)
     figures["params"] = n_params
-    return _finish(args, KIND, head, target, res, figures, log)
+    return finish_run(args, KIND, head, target, res, figures, log)

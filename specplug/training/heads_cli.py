@@ -1,4 +1,4 @@
-"""`specplug train eagle|mtp|continuations`: train feature heads for a frozen target, on its corpus or its own text.
+"""`specplug train eagle|eagle3|mtp|continuations`: train feature heads for a frozen target, on its corpus or its own text.
 
     specplug train eagle --target zoo:pycode --work-dir WORK/heads/eagle --out specplug/models/pycode-eagle
     specplug train mtp   --target zoo:pycode --work-dir WORK/heads/mtp   --out specplug/models/pycode-mtp
@@ -75,6 +75,37 @@ def eagle_cmd(noise, feature_weight, prob_weight, depth, depth_decay, init, **kw
     train_eagle(_args(extra, **kw), log=click.echo)
 
 
+@click.command("eagle3")
+@_common
+@click.option("--depth", default=3, show_default=True,
+              help="training-time test: unroll drafting this deep on the head's own outputs")
+@click.option("--depth-decay", default=0.8, show_default=True, help="loss weight of depth d is decay**(d-1)")
+@click.option("--vocab", default="2048", show_default=True,
+              help="drafting vocabulary: the target's N most frequent tokens (frequent_tokens.json), or 'all'")
+@click.option("--feature-layers", default=None,
+              help="three target layers to fuse, e.g. 1,3,4 (default: a low, a middle and a high one)")
+@click.option("--init-shared", type=click.Path(exists=True, file_okay=False), default=None,
+              help="start a fresh head's decoder-layer tensors from this trained eagle head where shapes agree")
+@click.option("--init", "init", type=click.Path(exists=True, file_okay=False), default=None,
+              help="continue from this trained eagle3 head (for the same target)")
+def eagle3_cmd(depth, depth_decay, vocab, feature_layers, init_shared, init, **kw):
+    """Train an EAGLE-3 head (fused features of three layers, own drafting vocabulary) for a frozen target."""
+    from .eagle3 import train_eagle3
+
+    if vocab != "all" and not vocab.isdigit():
+        raise click.BadParameter(f"{vocab!r} is neither a token count nor 'all'", param_hint="--vocab")
+    try:
+        layers = [int(v) for v in feature_layers.split(",")] if feature_layers else None
+    except ValueError:
+        raise click.BadParameter(f"three comma-separated layer numbers, got {feature_layers!r}",
+                                 param_hint="--feature-layers") from None
+    extra = {"depth": depth, "depth_decay": depth_decay, "vocab": vocab if vocab == "all" else int(vocab),
+             "feature_layers": layers, "init_shared": init_shared}
+    if init:
+        extra["init"] = init
+    train_eagle3(_args(extra, **kw), log=click.echo)
+
+
 @click.command("mtp")
 @_common
 @click.option("--heads", "num_heads", default=3, show_default=True, help="number of heads (tokens drafted)")
@@ -143,6 +174,7 @@ def continuations_cmd(target, out, temperatures, proposer, cache_dir, **kw):
 
 def add_head_commands(group: click.Group) -> click.Group:
     group.add_command(eagle_cmd)
+    group.add_command(eagle3_cmd)
     group.add_command(mtp_cmd)
     group.add_command(continuations_cmd)
     return group

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .eagle import HeadTrainArgs, _finish, _prepare, ensure_features, init_from, train_head
+from .eagle import HeadTrainArgs, finish_run, prepare_run, ensure_features, init_from, train_head
 
 MTP_DEFAULTS = {"num_heads": 3, "num_layers": 1, "share_lm_head": True, "decay": 0.8}
 
@@ -63,7 +63,7 @@ def train_mtp(args: HeadTrainArgs, log=print) -> dict:
 
     extra = {**MTP_DEFAULTS, **args.extra}
     args.extra = extra
-    target, data, cache, feature_dir = _prepare(args, log)
+    target, data, cache, feature_dir = prepare_run(args, log)
     heads = MTPHeads.for_target(target.model, num_heads=extra["num_heads"], num_layers=extra["num_layers"],
                                 share_lm_head=extra["share_lm_head"])
     if extra.get("init"):
@@ -77,4 +77,4 @@ def train_mtp(args: HeadTrainArgs, log=print) -> dict:
     held = ensure_features(target, "heldout", args.eval_windows, args.seq_len, args.seed, cache, feature_dir, log)
     figures = mtp_figures(heads, target, held)
     figures["params"] = n_params
-    return _finish(args, KIND, heads, target, res, figures, log)
+    return finish_run(args, KIND, heads, target, res, figures, log)
