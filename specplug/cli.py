@@ -151,7 +151,9 @@ def _numbers(text: str, kind=float) -> list:
 @click.option("--temperatures", default="0,1", show_default=True, help="Comma-separated temperatures.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1))
-@click.option("--peer", type=click.Choice(["hf"]), help="Also run Hugging Face's own assisted generation.")
+@click.option("--peer", type=click.Choice(["hf", "vllm"]),
+              help="Also run Hugging Face's own assisted generation (hf), or vLLM's engine with its matching "
+                   "methods and specplug's model-free proposers inside it (vllm: pip install 'specplug[vllm]').")
 @click.option("--batch-sizes", default=None, metavar="1,2,4,8,16",
               help="Load bench instead: goodput and latency per batch size for no speculation, fixed γ and "
                    "the heuristic and cost-model policies, the latter cold (fresh per run) and warm (kept "
@@ -197,12 +199,17 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
         return
     attached, _ = bench.attachable(tgt, specs)
     peer_runs = (1 + (2 if any(s.name == "draft-model" for s in attached) else 1) * len(gamma_list)) if peer else 0
+    if peer == "vllm":  # at most one vLLM engine per proposer and γ, plus target-only
+        peer_runs = 1 + len(attached) * len(gamma_list)
     total = bench.count_runs(attached, workloads, gamma_list, temp_list, repeats, peer_runs)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("comparing", total=total)
-        result = bench.run_compare(tgt, specs, workloads, gammas=gamma_list, temperatures=temp_list,
-                                   max_new_tokens=max_new_tokens, repeats=repeats, peer=peer,
-                                   progress=lambda n, note: bar.update(task, advance=n, description=note))
+        try:
+            result = bench.run_compare(tgt, specs, workloads, gammas=gamma_list, temperatures=temp_list,
+                                       max_new_tokens=max_new_tokens, repeats=repeats, peer=peer,
+                                       progress=lambda n, note: bar.update(task, advance=n, description=note))
+        except ImportError as exc:  # --peer vllm without the extra: the message names it
+            raise click.ClickException(f"--peer {peer}: {exc}") from exc
     for s in result["skipped"]:
         err.print(f"[yellow]skipped {s['proposer']}:[/yellow] {s['reason']}")
     if as_json:

@@ -87,7 +87,7 @@ def run_compare(target: Target, specs: Sequence[ProposerSpec], workloads: Sequen
     cells = [(s, g) for s in specs for g in gammas]
     runs: dict[tuple, list[tuple[tuple, _Run]]] = {}
     memory: dict[str, int] = {}
-    peer_runner = _peer(peer, target, specs) if peer else None
+    peer_runner = _peer(peer, target, specs, gammas) if peer else None
 
     def step(note: str) -> None:
         if progress is not None:
@@ -124,6 +124,10 @@ def run_compare(target: Target, specs: Sequence[ProposerSpec], workloads: Sequen
     ours = {peer_name: next((s.label for s in specs if s.name == name), None)
             for peer_name, name in (("hf-assisted", "draft-model"), ("hf-prompt-lookup", "ngram"))}
     ours["hf-target-only"] = "target-only"
+    if peer_runner is not None and hasattr(peer_runner, "close"):  # vLLM: its engines' processes
+        peer_runner.close()
+        ours.update(peer_runner.ours)
+        skipped += peer_runner.skipped
     return _report(target, runs, ours, skipped, memory, workloads, gammas, temperatures, max_new_tokens,
                    repeats, peer)
 
@@ -181,7 +185,7 @@ def _report(target, runs, ours, skipped, memory, workloads, gammas, temperatures
     for key, entries in runs.items():
         if key[0] == "baseline":
             continue
-        if key[0].startswith("hf-"):
+        if key[0].startswith(PEER_PREFIXES):
             report["peer"].append(_peer_row(key, entries, base_by_pair, runs, ours))
             continue
         label, wl, t, g = key
@@ -226,11 +230,19 @@ def _report(target, runs, ours, skipped, memory, workloads, gammas, temperatures
     return report
 
 
-# --- the Hugging Face peer ------------------------------------------------------------------------------
+# --- the peers: Hugging Face's assisted generation, vLLM (specplug.bench.peer_vllm) ----------------------
 
-def _peer(peer: str, target: Target, specs):
-    if peer != "hf":
-        raise ValueError(f"unknown peer {peer!r}; known: hf")
+PEERS = ("hf", "vllm")
+PEER_PREFIXES = ("hf-", "vllm-")
+
+
+def _peer(peer: str, target: Target, specs, gammas):
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+    if peer == "vllm":
+        from .peer_vllm import VLLMPeer
+
+        return VLLMPeer(target, specs, gammas)
     from .peer_hf import HFPeer
 
     draft = next((s for s in specs if s.name == "draft-model"), None)
@@ -239,9 +251,11 @@ def _peer(peer: str, target: Target, specs):
 
 
 def _peer_row(key, entries, base_by_pair, runs, ours_labels):
+    from .peer_vllm import pooled_acceptance
+
     name, g, wl, t = key
     ours_key = (ours_labels[name], wl, t, g)
-    if name == "hf-target-only":  # against our own target-only decoding
+    if ours_labels[name] == "target-only":  # against our own target-only decoding
         ours = {pair: r for pair, r in runs[("baseline", wl, t)]}
     else:
         ours = {pair: r for pair, r in runs.get(ours_key, [])}
@@ -253,4 +267,5 @@ def _peer_row(key, entries, base_by_pair, runs, ours_labels):
     return {"peer": name, "workload": wl, "temperature": t, "gamma": g, "runs": len(entries),
             "tokens_per_second": _median([r.stats.tokens_per_second for _, r in entries]),
             "speedup": _median(speedups), "ours": ours_key[0],
-            "ours_over_peer": _median(ours_over_peer), "greedy_equal_to_ours": equal}
+            "ours_over_peer": _median(ours_over_peer), "greedy_equal_to_ours": equal,
+            **pooled_acceptance([r for _, r in entries])}
