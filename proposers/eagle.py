@@ -27,6 +27,7 @@ from torch import nn
 from specplug import draft_stop, few_rows, heads, int8_products, zoo
 from specplug.drafting_vocab import (Projection, projection_onto, read_ranks, same_subset, sampled_or_greedy,
                                      vocab_subset)
+from specplug.hf_compat import cache_kwargs
 from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import draw
@@ -120,7 +121,7 @@ class EagleHead(nn.Module):
         elif q_len > 1 and past > 0:  # bottom-right-aligned causal mask over [cache ; new]
             rows = torch.arange(q_len, device=x.device)[:, None] + past
             mask = (torch.arange(past + q_len, device=x.device)[None, :] <= rows)[None, None]
-        return self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,
+        return self.layer(x, attention_mask=mask, position_ids=position_ids, **cache_kwargs(cache),
                           use_cache=cache is not None, position_embeddings=cos_sin)
 
 

@@ -39,6 +39,7 @@ from specplug.verifier import Proposal, ProposalError, Verdict, validate_proposa
 from specplug.verifier.rule import verify_batch
 
 from .decode import GenerationResult, SpeculationError, _emit, _prompt_ids, _proposer_name, _request_ids
+from .hf_compat import cache_kwargs, output_cache
 from .metrics import GenerationStats
 from .sampling import SamplingParams, processed_probs
 from .target import Target, feature_layer
@@ -90,12 +91,12 @@ class BatchedCache:
             attention[blind, self.slots] = True
         with torch.inference_mode():
             out = self.model(input_ids=input_ids, attention_mask=attention.long(), position_ids=positions,
-                             cache=self.cache, use_cache=True, output_hidden_states=output_hidden_states,
+                             **cache_kwargs(self.cache), use_cache=True, output_hidden_states=output_hidden_states,
                              logits_to_keep=logits_to_keep)
-        if self.cache is None and any(getattr(layer, "is_sliding", False) for layer in out.cache.layers):
+        if self.cache is None and any(getattr(layer, "is_sliding", False) for layer in output_cache(out).layers):
             raise NotImplementedError("batched decoding needs full-attention layers: the shared cache leaves holes "
                                       "between a row's tokens, which a sliding window over slots would miscount")
-        self.cache = out.cache
+        self.cache = output_cache(out)
         self.valid = torch.cat([self.valid, input_valid], dim=1)
         self._pending = n
         return out
