@@ -139,6 +139,41 @@ def test_eagle3_head_in_the_speculators_format_is_served_with_greedy_output_equa
     assert counters["drafts"] > 0  # it did draft (random weights: little is accepted)
 
 
+def _random_specplug_eagle3_head(target, out):
+    from specplug import heads
+    from specplug.proposers.eagle3 import Eagle3Head
+
+    head = Eagle3Head.for_target(target, seed=4, std=0.15)
+    heads.save_head(out, "eagle3", head.state_dict(), head.config, target)
+    return out
+
+
+def test_exported_eagle3_zoo_head_is_served_with_greedy_output_equal_and_tau_within_10_percent_of_ours(
+        engine, zoo_target, prompt_ids, ours, tmp_path):
+    """The head specplug trains, exported with ``specplug export --format speculators``, behaves in vLLM as in
+    specplug: same greedy output, and vLLM's mean acceptance length within 10% of ours at the same γ."""
+    pytest.importorskip("speculators", reason=f"the speculators library comes with {INSTALL_HINT}")
+    formats = pytest.importorskip("specplug.speculators_format", reason="needs the eagle3 head and its export")
+    from specplug import zoo
+    from specplug.proposers.eagle3 import DEFAULT_HEADS
+
+    head = zoo.PREFIX + DEFAULT_HEADS["pycode"]
+    if not (zoo.models_dir() / DEFAULT_HEADS["pycode"] / "model.safetensors").is_file():
+        head = _random_specplug_eagle3_head(zoo_target, tmp_path / "head")  # a checkout without the trained one
+    gamma = 3
+    exported = formats.export_eagle3(head, tmp_path / "eagle3", target=zoo_target)
+    mine = [specplug.generate(zoo_target, specplug.get_proposer("eagle3", target=zoo_target, head=head), ids,
+                              max_new_tokens=NEW_TOKENS, sampling=GREEDY, num_speculative_tokens=gamma, strict=True)
+            for ids in prompt_ids]
+    assert [r.tokens for r in mine] == ours
+    tau_ours = sum(r.stats.new_tokens for r in mine) / sum(r.stats.target_calls for r in mine)
+    llm = engine(speculative_config={"method": "eagle3", "model": str(exported), "num_speculative_tokens": gamma})
+    tokens, counters = _greedy(llm, prompt_ids)
+    assert tokens == ours
+    tau_vllm = 1 + counters["accepted"] / counters["drafts"]
+    assert abs(tau_vllm - tau_ours) <= 0.1 * tau_ours, (tau_vllm, tau_ours)
+
+
 def test_compare_peer_vllm_reports_schema_valid_rows_with_greedy_tokens_equal_to_ours(vllm_env, tmp_path):
     import jsonschema
     from click.testing import CliRunner

@@ -137,16 +137,17 @@ def _method(target, spec) -> Method | None:
                                                       "prompt_lookup_max": int(opts.get("prompt_lookup_max", 3))})
     proposer = get_proposer(spec.name, target=target, **opts)
     if proposer.needs_features:  # a feature head: vLLM serves EAGLE-3 heads in the speculators format
-        head, exported = _speculators_head(target, spec)
+        head, exported = _speculators_head(target, spec, getattr(proposer, "head_path", None))
         return Method(PREFIX + "eagle3", spec.label, {"method": "eagle3", "model": head}, exported=exported)
     kwargs = engine_kwargs(spec.name, 1, **opts)
     spec_cfg = {k: v for k, v in kwargs["speculative_config"].items() if k != "num_speculative_tokens"}
     return Method(f"{PREFIX}specplug-{spec.label}", spec.label, spec_cfg, kwargs["additional_config"])
 
 
-def _speculators_head(target, spec) -> tuple[str, str | None]:
-    """(directory vLLM loads, the temporary export to delete afterwards or None) for a feature-head spec."""
-    head = spec.options.get("head")
+def _speculators_head(target, spec, head_path=None) -> tuple[str, str | None]:
+    """(directory vLLM loads, the temporary export to delete afterwards or None) for a feature-head spec: its
+    ``head=`` option, else the head the proposer loaded (``head_path``: a bundled default)."""
+    head = spec.options.get("head") or head_path
     hint = (f"to serve {spec.label!r} on vLLM give it an EAGLE-3 head in the speculators format "
             f"(-p {spec.name}:head=DIR; `specplug export HEAD --format speculators --out DIR` writes one)")
     if head is None:
