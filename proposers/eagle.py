@@ -28,6 +28,7 @@ from specplug.drafting_vocab import (Projection, projection_onto, read_ranks, sa
 from specplug.drafting_products import drafting_weights, linear_shapes
 from specplug.feature_heads import (KVCache, FeatureHeadProposer, attention_mask, head_config_for,
                                     llama_config, reset_head_parameters)
+from specplug.hf_compat import cache_kwargs
 from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
 from specplug.types import SequenceState
@@ -65,7 +66,7 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos_sin = self.rotary(x, position_ids)
         mask = attention_mask(x.shape[1], cache.length if cache is not None else 0, mask, x.device)
-        return self.layer(x, attention_mask=mask, position_ids=position_ids, cache=cache,
+        return self.layer(x, attention_mask=mask, position_ids=position_ids, **cache_kwargs(cache),
                           use_cache=cache is not None, position_embeddings=cos_sin)
 
 

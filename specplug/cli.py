@@ -151,7 +151,8 @@ def _numbers(text: str, kind=float) -> list:
                    "check are made of.")
 @click.option("--peer", default=None, metavar="NAME",
               help="Also run another engine on the same target and prompts: hf (Hugging Face's own assisted "
-                   "generation).")
+                   "generation) or vllm (vLLM's engine with its matching methods and specplug's model-free "
+                   "proposers inside it; pip install 'specplug[vllm]').")
 @click.option("--batch-sizes", default=None, metavar="1,2,4,8,16",
               help="Load bench instead: goodput and latency per batch size for no speculation, fixed γ and "
                    "the heuristic and cost-model policies, the latter cold (fresh per run) and warm (kept "
@@ -198,16 +199,19 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
     err = Console(stderr=True)
     if batch_sizes:
         _load_bench(tgt, specs, workloads, _numbers(batch_sizes, int), gamma_list, temp_list[0], max_new_tokens,
-                    repeats, as_json, err, requests)
+                    repeats, as_json, err, requests, peer)
         return
     attached, _ = bench.attachable(tgt, specs)
     peer_runs = peer_spec.runs_per_prompt(attached, gamma_list) if peer_spec else 0
     total = bench.count_runs(attached, workloads, gamma_list, temp_list, repeats, peer_runs)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("comparing", total=total)
-        result = bench.run_compare(tgt, specs, workloads, gammas=gamma_list, temperatures=temp_list,
-                                   max_new_tokens=max_new_tokens, repeats=repeats, peer=peer,
-                                   progress=lambda n, note: bar.update(task, advance=n, description=note))
+        try:
+            result = bench.run_compare(tgt, specs, workloads, gammas=gamma_list, temperatures=temp_list,
+                                       max_new_tokens=max_new_tokens, repeats=repeats, peer=peer,
+                                       progress=lambda n, note: bar.update(task, advance=n, description=note))
+        except ImportError as exc:  # --peer vllm without the extra: the message names it
+            raise click.ClickException(f"--peer {peer}: {exc}") from exc
     for s in result["skipped"]:
         err.print(f"[yellow]skipped {s['proposer']}:[/yellow] {s['reason']}")
     if as_json:
@@ -221,7 +225,7 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
 
 
 def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_new_tokens, repeats, as_json, err,
-                requests=None):
+                requests=None, peer=None):
     from rich.progress import Progress
 
     from specplug.bench import load
@@ -235,15 +239,40 @@ def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_
                 "cost-model": lambda: get_policy("cost-model", max_gamma=max(gammas)),
                 "cost-model warm": lambda: warm}
     prompts = [p for w in workloads for p in w.prompts]
-    with Progress(console=err, transient=True) as bar:
-        task = bar.add_task("load", total=load.count_runs(attached, batch_sizes, gammas, policies, repeats))
-        report = load.run_load(target, specs, batch_sizes=batch_sizes, gammas=gammas, policies=policies,
-                               max_new_tokens=max_new_tokens, prompts=prompts, temperature=temperature,
-                               repeats=repeats, requests=requests, progress=lambda n, note: bar.update(task, advance=n, description=note))
+    runner = _load_peer(peer, target, attached, gammas, batch_sizes)
+    try:
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task("load", total=load.count_runs(attached, batch_sizes, gammas, policies, repeats))
+            report = load.run_load(target, specs, batch_sizes=batch_sizes, gammas=gammas, policies=policies,
+                                   max_new_tokens=max_new_tokens, prompts=prompts, temperature=temperature,
+                                   repeats=repeats, requests=requests, peer=runner,
+                                   progress=lambda n, note: bar.update(task, advance=n, description=note))
+    finally:
+        if runner is not None:
+            runner.close()
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         load.render(report)
+        if report.get("peer"):
+            from specplug.bench.peer_vllm import render_load
+
+            render_load(report["peer"])
+
+
+def _load_peer(peer, target, specs, gammas, batch_sizes):
+    """The load bench's peer: vLLM's engines sized for the largest batch; HF's generate takes one row only."""
+    if peer is None:
+        return None
+    if peer != "vllm":
+        raise click.ClickException(f"--peer {peer} with --batch-sizes: Hugging Face's assisted generation refuses "
+                                   "batches; use --peer vllm")
+    from specplug.bench.peer_vllm import VLLMPeer
+
+    try:
+        return VLLMPeer(target, specs, gammas, max_num_seqs=max(batch_sizes))
+    except ImportError as exc:
+        raise click.ClickException(f"--peer vllm: {exc}") from exc
 
 
 @main.command()

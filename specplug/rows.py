@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from .hf_compat import cache_kwargs, output_cache
 from .lean_llama import LeanCache, LeanLlama
 
 __all__ = ["RowScores", "TargetRows", "LeanRows", "PaddedRows", "BatchedCache", "BatchCacheView", "feature_layer"]
@@ -232,14 +233,14 @@ class BatchedCache:
             attention[blind, self.slots] = True
         with torch.inference_mode():
             out = self.model(input_ids=input_ids, attention_mask=attention.long(), position_ids=positions,
-                             cache=self.cache, use_cache=True, output_hidden_states=output_hidden_states,
+                             **cache_kwargs(self.cache), use_cache=True, output_hidden_states=output_hidden_states,
                              logits_to_keep=logits_to_keep)
-        if B > 1 and any(getattr(layer, "is_sliding", False) for layer in out.cache.layers):
+        if B > 1 and any(getattr(layer, "is_sliding", False) for layer in output_cache(out).layers):
             # at one row there are no holes, so a sliding window over slots is one over positions
             raise NotImplementedError("batched decoding on HF's forward needs full-attention layers: the shared "
                                       "cache leaves holes between a row's tokens, which a sliding window over "
                                       "slots would miscount")
-        self.cache = out.cache
+        self.cache = output_cache(out)
         self.valid = torch.cat([self.valid, input_valid], dim=1)
         self._pending = n
         return out

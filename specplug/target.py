@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from . import few_rows, zoo
+from .hf_compat import cache_kwargs, output_cache
 from .lean_llama import LeanCache, lean_or_reason
 from .rows import LeanRows, PaddedRows, TargetRows, feature_layer
 from .sampling import SamplingParams, processed_probs
@@ -298,9 +299,9 @@ class Target:
             return Scores(logits=logits, features={name: hidden[i] for name, i in layers.items()})
         positions = torch.arange(state.length, state.length + n, device=self.device).unsqueeze(0)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, position_ids=positions, cache=state.cache, use_cache=True,
+            out = self.model(input_ids=ids, position_ids=positions, **cache_kwargs(state.cache), use_cache=True,
                              output_hidden_states=bool(features), logits_to_keep=logits_to_keep)
-        state.cache = out.cache
+        state.cache = output_cache(out)
         state.length += n
         top = self.model.config.num_hidden_layers
         return Scores(logits=out.logits[0],

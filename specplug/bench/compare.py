@@ -95,12 +95,14 @@ PeerRunner = Callable[..., Iterator[tuple[tuple[str, int], Run]]]
 class Peer:
     """Another engine measured on the same target, prompts and sampling, interleaved with our runs.
 
-    ``build(target, specs)`` returns a runner ``(prompt, sampling, max_new_tokens, gammas)`` yielding
+    ``build(target, specs, gammas)`` returns a runner ``(prompt, sampling, max_new_tokens, gammas)`` yielding
     ``((run name, γ), Run)``; ``ours`` names, per run name, the proposer of ours it is measured against
     (``"target-only"``: our baseline); ``runs_per_prompt(specs, gammas)`` counts its runs for the progress bar.
+    A runner may also have ``ours`` (run name -> our cell's label, for runs named only once built), ``skipped``
+    (methods it could not run, with the reason) and ``close()`` (its engines' processes).
     """
 
-    build: Callable[[Target, Sequence[ProposerSpec]], PeerRunner]
+    build: Callable[[Target, Sequence[ProposerSpec], Sequence[int]], PeerRunner]
     ours: Mapping[str, str]
     runs_per_prompt: Callable[[Sequence[ProposerSpec], Sequence[int]], int]
 
@@ -120,7 +122,7 @@ def get_peer(name: str) -> Peer:
     return PEERS[name]
 
 
-def _hf_runner(target: Target, specs: Sequence[ProposerSpec]) -> PeerRunner:
+def _hf_runner(target: Target, specs: Sequence[ProposerSpec], gammas: Sequence[int]) -> PeerRunner:
     from .peer_hf import HFPeer
 
     draft = next((s for s in specs if s.name == "draft-model"), None)
@@ -133,6 +135,16 @@ register_peer("hf", Peer(
     lambda specs, gammas: 1 + (2 if any(s.name == "draft-model" for s in specs) else 1) * len(gammas)))
 
 
+def _vllm_runner(target: Target, specs: Sequence[ProposerSpec], gammas: Sequence[int]) -> PeerRunner:
+    from .peer_vllm import VLLMPeer
+
+    return VLLMPeer(target, specs, gammas)
+
+
+# at most one vLLM engine per proposer and γ, plus target-only; the matching is made once vLLM's methods are known
+register_peer("vllm", Peer(_vllm_runner, {}, lambda specs, gammas: 1 + len(specs) * len(gammas)))
+
+
 def run_compare(target: Target, specs: Sequence[ProposerSpec], workloads: Sequence[Workload], *,
                 gammas: Sequence[int] = (4,), temperatures: Sequence[float] = (0.0, 1.0),
                 max_new_tokens: int = 64, repeats: int = 2, warmup: bool = True, peer: str | None = None,
@@ -141,7 +153,7 @@ def run_compare(target: Target, specs: Sequence[ProposerSpec], workloads: Sequen
     started = time.perf_counter()
     peer_spec = get_peer(peer) if peer else None
     specs, skipped = attachable(target, specs)
-    runner = peer_spec.build(target, specs) if peer_spec else None
+    runner = peer_spec.build(target, specs, gammas) if peer_spec else None
     if warmup:
         _warm_up(target, specs)
     runs, memory = _measure(target, specs, workloads, gammas, temperatures, max_new_tokens, repeats, runner,
@@ -151,6 +163,10 @@ def run_compare(target: Target, specs: Sequence[ProposerSpec], workloads: Sequen
     for run_name, name in (peer_spec.ours.items() if peer_spec else ()):
         mine = next((s.label for s in specs if s.name == name), None)
         ours[run_name] = "target-only" if name == "target-only" else mine
+    if hasattr(runner, "close"):
+        runner.close()
+        ours.update(runner.ours)
+        skipped = list(skipped) + list(runner.skipped)
     settings = {"max_new_tokens": max_new_tokens, "repeats": repeats, "gammas": list(gammas),
                 "temperatures": list(temperatures), "peer": peer,
                 "workloads": [{"name": w.name, "prompts": len(w.prompts), "samples": w.samples} for w in workloads]}
@@ -318,6 +334,8 @@ def _cell_row(key, entries, base_by_pair, base_slow, base_step, memory_bytes) ->
 
 
 def _peer_row(key, entries, base_by_pair, runs, ours_labels) -> dict:
+    from .peer_vllm import pooled_acceptance  # τ from a peer's own counters (None for the HF peer)
+
     name, g, wl, t = key
     ours_key = (ours_labels[name], wl, t, g)
     if ours_labels[name] == "target-only":  # against our own target-only decoding
@@ -332,4 +350,5 @@ def _peer_row(key, entries, base_by_pair, runs, ours_labels) -> dict:
     return {"peer": name, "workload": wl, "temperature": t, "gamma": g, "runs": len(entries),
             "tokens_per_second": _median([r.stats.tokens_per_second for _, r in entries]),
             "speedup": _median(speedups), "ours": ours_key[0],
-            "ours_over_peer": _median(ours_over_peer), "greedy_equal_to_ours": equal}
+            "ours_over_peer": _median(ours_over_peer), "greedy_equal_to_ours": equal,
+            **pooled_acceptance([r for _, r in entries])}

@@ -103,15 +103,19 @@ def run_load(target: Target, proposer_specs: Sequence[ProposerSpec | str], *,
              batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), gammas: Sequence[int] = (2, 4),
              policies: Mapping[str, Callable[[], object]] | None = None, max_new_tokens: int = 64,
              prompts: Sequence[str] | None = None, requests: int | None = None, temperature: float = 0.0,
-             repeats: int = 3, warmup: bool = True, progress: Callable[[int, str], None] | None = None) -> dict:
+             repeats: int = 3, warmup: bool = True, progress: Callable[[int, str], None] | None = None,
+             peer=None) -> dict:
     """Measure goodput and per-token latency per (variant, batch size); return a JSON-able report
-    (schema ``specplug.load/1``). ``proposer_specs`` are ProposerSpec or ``name:key=value`` strings."""
+    (schema ``specplug.load/1``). ``proposer_specs`` are ProposerSpec or ``name:key=value`` strings.
+    ``peer`` (a :class:`specplug.bench.peer_vllm.VLLMPeer`) runs the same requests after each batch size's
+    variants, in the same repeat; its rows go to ``report["peer"]``."""
     specs = [s if isinstance(s, ProposerSpec) else ProposerSpec.parse(s) for s in proposer_specs]
     specs, skipped = attachable(target, specs)
     prompts = list(prompts or DEFAULT_PROMPTS)
     cells = variants(specs, gammas, policies)
     requests = requests or max(batch_sizes)
     runs: dict[tuple[str, int], list[dict]] = {}
+    peer_runs: dict[tuple[str, int, int], list[dict]] = {}
     if warmup:
         for v in cells:
             _run(target, v, prompts, 2, 4, temperature, 0, 2)
@@ -123,8 +127,17 @@ def run_load(target: Target, proposer_specs: Sequence[ProposerSpec | str], *,
                     _run(target, v, prompts, B, max_new_tokens, temperature, 1000 * rep, requests))
                 if progress is not None:
                     progress(1, f"B={B} {v.label}")
-    return _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new_tokens, len(prompts),
-                   requests, temperature, repeats)
+            if peer is not None:  # the same requests and seeds as _run's
+                rows = [prompts[i % len(prompts)] for i in range(requests)]
+                seeds = [SamplingParams(temperature=temperature, seed=1000 * rep + i) for i in range(requests)]
+                for label, g, r in peer.load_runs(rows, seeds, max_new_tokens, B):
+                    peer_runs.setdefault((label, g, B), []).append(r)
+    report = _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new_tokens, len(prompts),
+                     requests, temperature, repeats)
+    if peer is not None:
+        report["peer"] = peer.load_rows(peer_runs, runs, temperature)
+        report["skipped"] += peer.skipped
+    return report
 
 
 def count_runs(specs, batch_sizes, gammas, policies, repeats) -> int:

@@ -9,6 +9,8 @@ import json
 
 from .confidence import BUSY
 
+PEER_TITLES = {"hf": "Hugging Face transformers' assisted generation on the same target, draft and prompts",
+               "vllm": "vLLM on the same target, drafts and prompts (τ from vLLM's own counters)"}
 PLOTS = ("speedup_vs_gamma", "per_position_acceptance", "latency_distribution", "measured_vs_predicted")
 WIDTH = 120
 WIDE_WIDTH = 200
@@ -126,13 +128,13 @@ def tables(report: dict, wide: bool = False) -> list:
         t.add_row(*[row.get(col, "-") for col in columns])
     if not report["peer"]:
         return [t]
-    peer = Table(title="Peers on the same target, draft and prompts")
-    for col in ("peer", "workload", "T", "γ", "tok/s", "speed-up", "ours vs peer", "greedy = ours"):
+    peer = Table(title=PEER_TITLES.get(report["settings"].get("peer"), "peer"))
+    for col in ("peer", "workload", "T", "γ", "tok/s", "speed-up", "τ", "ours vs peer", "greedy = ours"):
         peer.add_column(col, justify="left" if col in ("peer", "workload") else "right", no_wrap=True)
     for p in report["peer"]:
         equal = {None: "-", True: "yes", False: "NO"}[p["greedy_equal_to_ours"]]
         peer.add_row(p["peer"], p["workload"], _fmt(p["temperature"], "g"), str(p["gamma"]),
-                     _fmt(p["tokens_per_second"], ".1f"), _fmt(p["speedup"]),
+                     _fmt(p["tokens_per_second"], ".1f"), _fmt(p["speedup"]), _fmt(p.get("mean_acceptance_length")),
                      f"{_fmt(p['ours_over_peer'])}x {p['ours']}", equal)
     return [t, peer]
 

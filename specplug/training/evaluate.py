@@ -8,6 +8,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from specplug.hf_compat import cache_kwargs, output_cache
+
 
 @torch.no_grad()
 def decode_ms_per_token(model, prompt_ids: torch.Tensor, n_tokens: int = 64, repeats: int = 3) -> float:
@@ -18,13 +20,13 @@ def decode_ms_per_token(model, prompt_ids: torch.Tensor, n_tokens: int = 64, rep
     per = []
     for _ in range(repeats):
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=prompt_ids, cache=cache, use_cache=True)
-        cache = out.cache
+        out = model(input_ids=prompt_ids, **cache_kwargs(cache), use_cache=True)
+        cache = output_cache(out)
         nxt = out.logits[:, -1:].argmax(-1)
         t0 = time.perf_counter()
         for _ in range(n_tokens):
-            out = model(input_ids=nxt, cache=cache, use_cache=True)
-            cache = out.cache
+            out = model(input_ids=nxt, **cache_kwargs(cache), use_cache=True)
+            cache = output_cache(out)
             nxt = out.logits[:, -1:].argmax(-1)
         per.append((time.perf_counter() - t0) / n_tokens * 1e3)
     return statistics.median(per)

@@ -1,0 +1,1 @@
+"""Bridges from specplug to serving engines (``specplug.integrations.vllm``)."""
