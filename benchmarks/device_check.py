@@ -115,7 +115,7 @@ def main() -> None:
     args = ap.parse_args()
     quick = args.quick or not args.device.startswith("cuda")
     samples, prompts, tokens = (150, 2, 24) if quick else (1500, 8, 96)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a log keeps each row on one line
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="specplug-device-") as tmp:
         rows = exactness_rows(args.device, samples, Path(tmp))

@@ -68,14 +68,14 @@ def test_continuations_of_one_target_are_refused_for_another(tiny_target, small_
 
 
 def test_head_training_reads_its_windows_from_the_continuations(tiny_dirs, tiny_target, tmp_path):
-    from specplug.training.eagle import HeadTrainArgs, _prepare
+    from specplug.training.eagle import HeadTrainArgs, prepare_run
 
     out = generate_continuations(tiny_target, corpus(tiny_target), EOS, tmp_path / "c", sequences=4,
                                  prefix_tokens=10, new_tokens=8, proposer=None, log=lambda *a: None)
     stream = read_continuations(out, tiny_target).tolist()
     args = HeadTrainArgs(target=str(tiny_dirs["target"]), work_dir=str(tmp_path / "w" / "eagle"), tokens=48,
                          seq_len=8, batch_size=2, threads=1, data=str(out))
-    _, data, _, _ = _prepare(args, log=lambda *a: None)
+    _, data, _, _ = prepare_run(args, log=lambda *a: None)
     windows = data["tokens"].tolist()
     assert len(windows) == 6
     text = ",".join(map(str, stream))
