@@ -215,3 +215,21 @@ def test_every_synthetic_cell_carries_its_interval_in_the_json():
     for c in cells.values():
         low, high = c["speedup_interval"]
         assert low <= c["speedup"] <= high
+
+
+def test_compare_reports_the_speed_choices_this_machine_made(tiny_dirs, tmp_path):
+    from specplug import machine
+
+    machine.forget()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    result = CliRunner().invoke(main, [
+        "compare", "--target", str(tiny_dirs["target"]), "-p", f"draft-model:model={tiny_dirs['draft']}",
+        "-w", str(prompts), "--gammas", "2", "--temperatures", "0", "--max-new-tokens", "6", "--repeats", "1",
+        "--json", "--html", str(tmp_path / "report.html")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    taken = {(c["name"], c["value"], c["source"]) for c in report["machine"]["choices"]}
+    assert taken == {(c.name, c.value, c.source) for c in machine.machine_choices()}
+    assert taken, "loading a target and a drafter decides at least the kernel facts they rely on"
+    assert any(line.startswith("machine choice ") for line in notes(report))

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 
 from specplug.decode import generate
+from specplug.machine import machine_choices
 from specplug.metrics import GenerationStats, aggregate, predicted_speedup
 from specplug.plugins import get_proposer, list_proposers
 from specplug.sampling import SamplingParams
@@ -252,7 +253,8 @@ def summarise(runs: Mapping[tuple, list[tuple[tuple, Run]]], *, target: dict, se
         "schema": SCHEMA, "target": target, "settings": settings,
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine()},
+                    "processor": platform.processor() or platform.machine(),
+                    "choices": [c.as_dict() for c in machine_choices()]},
         "skipped": list(skipped), "baseline": [], "cells": [], "peer": [],
     }
     base_by_pair = {pair: r for key, entries in runs.items() if key[0] == "baseline" for pair, r in entries}

@@ -68,6 +68,8 @@ def notes(report: dict, wide: bool = False) -> list[str]:
     if report["machine"].get("wall_time_s"):
         machine = report["machine"]
         lines.append(f"measured in {machine['wall_time_s']:.0f} s on {machine['threads']} thread(s)")
+    for choice in report["machine"].get("choices", []):
+        lines.append(f"machine choice {choice['name']}: {choice['value']} ({choice['source']}: {choice['why']})")
     for c in summary(report):
         lines.append(f"best at T={c['temperature']:g} on {c['workload']}: {c['proposer']} γ={c['gamma']}, {_speedup(c)}"
                      + (" (flagged)" if c.get("flags") else ""))
