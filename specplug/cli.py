@@ -166,8 +166,11 @@ def _numbers(text: str, kind=float) -> list:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default="float32", show_default=True)
 @matmul_dtype_option
+@click.option("--lean/--no-lean", default=True, show_default=True,
+              help="Score on the lean forward where it covers the target; --no-lean: HF's own (padded) forward.")
 def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, temperatures, max_new_tokens,
-            repeats, peer, batch_sizes, requests, html_path, as_json, wide, device, dtype, matmul_dtype) -> None:
+            repeats, peer, batch_sizes, requests, html_path, as_json, wide, device, dtype, matmul_dtype,
+            lean) -> None:
     """Compare proposers side by side against target-only decoding on real workloads."""
     import specplug
     from specplug.bench import compare as bench
@@ -180,7 +183,8 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--peer") from exc
     try:
-        tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype, matmul_dtype=matmul_dtype)
+        tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype, matmul_dtype=matmul_dtype,
+                                              lean=lean)
     except (OSError, ValueError) as exc:
         raise click.ClickException(f"--target {target}: {exc}") from exc
     if n_prompts is None:

@@ -233,3 +233,23 @@ def test_compare_reports_the_speed_choices_this_machine_made(tiny_dirs, tmp_path
     assert taken == {(c.name, c.value, c.source) for c in machine.machine_choices()}
     assert taken, "loading a target and a drafter decides at least the kernel facts they rely on"
     assert any(line.startswith("machine choice ") for line in notes(report))
+
+
+def test_decoder_options_of_a_spec_go_to_the_decoder_and_the_rest_to_the_proposer():
+    from specplug.bench.compare import ProposerSpec
+
+    spec = ProposerSpec.parse("draft-model:verification=block,model=/m")
+    assert (spec.name, spec.options, spec.decode) == ("draft-model", {"model": "/m"}, {"verification": "block"})
+    assert spec.label == "draft-model:verification=block,model=/m"
+
+
+def test_compare_no_lean_scores_on_hf_forward_and_says_so(tiny_dirs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    result = CliRunner().invoke(main, [
+        "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "--no-lean", "-w", str(prompts),
+        "--gammas", "2", "--temperatures", "0", "--max-new-tokens", "6", "--repeats", "1", "--json",
+        "--html", ""], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    target = json.loads(result.stdout)["target"]
+    assert target["lean"] is False and target["lean_note"].startswith("lean=False")

@@ -33,13 +33,19 @@ SCHEMA = "specplug.compare/1"
 BIT_IDENTITY = "verify_bit_identical"
 
 
+# options of a spec that go to the decoder, not to the proposer (e.g. ``draft-model:verification=block``)
+DECODE_OPTIONS = ("verification",)
+
+
 @dataclass(frozen=True)
 class ProposerSpec:
-    """``name`` or ``name:key=value,key=value`` as given on the command line."""
+    """``name`` or ``name:key=value,key=value`` as given on the command line; keys in :data:`DECODE_OPTIONS`
+    are the decoder's (``decode``), the others the proposer's (``options``)."""
 
     label: str
     name: str
     options: dict = field(default_factory=dict, hash=False, compare=False)
+    decode: dict = field(default_factory=dict, hash=False, compare=False)
 
     @classmethod
     def parse(cls, text: str) -> "ProposerSpec":
@@ -55,7 +61,8 @@ class ProposerSpec:
                 options[key] = json.loads(value)
             except json.JSONDecodeError:
                 options[key] = value
-        return cls(text, name, options)
+        decode = {key: options.pop(key) for key in DECODE_OPTIONS if key in options}
+        return cls(text, name, options, decode)
 
 
 def attachable(target: Target, specs: Sequence[ProposerSpec]) -> tuple[list[ProposerSpec], list[dict]]:
@@ -204,7 +211,8 @@ def _measure(target, specs, workloads, gammas, temperatures, max_new_tokens, rep
                             (pair, _one(target, None, prompt, sampling, max_new_tokens, 0)))
                         step(1, f"{wl.name} T={t} target-only")
                         for spec, g in cells:
-                            r = _one(target, live[(spec.label, g, t)], prompt, sampling, max_new_tokens, g)
+                            r = _one(target, live[(spec.label, g, t)], prompt, sampling, max_new_tokens, g,
+                                     spec.decode)
                             runs.setdefault((spec.label, wl.name, t, g), []).append((pair, r))
                             step(1, f"{wl.name} T={t} {spec.label} γ={g}")
                         for key, r in (runner(prompt, sampling, max_new_tokens, gammas) if runner else ()):
@@ -213,9 +221,9 @@ def _measure(target, specs, workloads, gammas, temperatures, max_new_tokens, rep
     return runs, memory
 
 
-def _one(target, proposer, prompt, sampling, max_new_tokens, gamma) -> Run:
+def _one(target, proposer, prompt, sampling, max_new_tokens, gamma, decode=None) -> Run:
     result = generate(target, proposer, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
-                      num_speculative_tokens=gamma)
+                      num_speculative_tokens=gamma, **(decode or {}))
     return Run(result.stats, result.tokens)
 
 
@@ -238,7 +246,8 @@ def target_info(target) -> dict:
     return {"name": target.name, "parameters": sum(p.numel() for p in target.model.parameters()),
             "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
             "matmul_dtype": str(target.matmul_dtype or target.dtype).replace("torch.", ""),
-            BIT_IDENTITY: getattr(target, BIT_IDENTITY, None)}
+            BIT_IDENTITY: getattr(target, BIT_IDENTITY, None),
+            "lean": getattr(target, "lean", None) is not None, "lean_note": getattr(target, "lean_note", "")}
 
 
 def _same_work(pair: tuple) -> tuple:

@@ -81,7 +81,8 @@ def _run(target, variant: Variant, prompts: Sequence[str], B: int, max_new_token
     sampling = [SamplingParams(temperature=temperature, seed=seed + i) for i in range(requests)]
     t0 = time.perf_counter()
     results = generate_batch(target, proposer, rows, max_new_tokens=max_new_tokens, sampling=sampling,
-                             num_speculative_tokens=gamma, max_batch_size=B)
+                             num_speculative_tokens=gamma, max_batch_size=B,
+                             **(variant.spec.decode if variant.spec is not None else {}))
     wall = time.perf_counter() - t0
     tokens = sum(len(r.tokens) for r in results)
     lat = np.concatenate([r.stats.token_latencies() for r in results]) if results else np.zeros(0)
