@@ -41,13 +41,14 @@ def exact_distribution(target: Target, prompt_ids: Sequence[int], n_tokens: int,
 
 def sampled_distribution(target: Target, proposer: Proposer | None, prompt_ids: Sequence[int], n_tokens: int,
                          sampling: SamplingParams, n_samples: int, *, num_speculative_tokens: int = 2,
-                         seed: int = 0) -> Counter:
-    """Counts of n-token continuations from ``n_samples`` speculative runs with seeds seed, seed+1, ..."""
+                         seed: int = 0, verification: str = "token") -> Counter:
+    """Counts of n-token continuations from ``n_samples`` speculative runs with seeds seed, seed+1, ...
+    (``verification``: "token" or "block", as for :func:`~specplug.decode.generate`)."""
     counts: Counter = Counter()
     for i in range(n_samples):
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed + i)
         result = generate(target, proposer, list(prompt_ids), max_new_tokens=n_tokens, sampling=params,
-                          num_speculative_tokens=num_speculative_tokens, strict=True)
+                          num_speculative_tokens=num_speculative_tokens, strict=True, verification=verification)
         counts[tuple(result.tokens)] += 1
     return counts
 
