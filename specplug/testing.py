@@ -97,13 +97,14 @@ def tiny_llama(out: str | Path, vocab_size: int, *, hidden: int = 32, layers: in
     return Path(out)
 
 
-def assert_proposer_conforms(factory, *, samples: int = 1000, workdir=None) -> None:
+def assert_proposer_conforms(factory, *, samples: int = 1000, workdir=None, verification: str = "token") -> None:
     """For a plugin's own test suite: run the conformance kit and fail with every failed property's evidence.
 
     ``factory(target, draft_dir)`` builds the proposer for the kit's tiny 6-token target (``draft_dir`` holds a
-    tiny draft model for that target, for proposers that need one).
+    tiny draft model for that target, for proposers that need one). A proposer that drafts trees is checked per
+    branch; ``verification="block"`` checks exactness under block verification of its chains.
     """
     from .conformance import ConformanceKit
 
-    failed = [r for r in ConformanceKit(workdir, samples).run(factory) if not r.passed]
+    failed = [r for r in ConformanceKit(workdir, samples, verification).run(factory) if not r.passed]
     assert not failed, "proposer failed conformance:\n" + "\n".join(f"  {r.name}: {r.evidence}" for r in failed)

@@ -24,23 +24,31 @@ SETTINGS = {
 
 
 class RandomTreeProposer(specplug.Proposer):
-    """Model-free: a tree of sibling branches drawn from an honest dense q that depends on the parent token.
-    Shape (depth <= k): the root gets ``width`` children, the first of them ``width`` more, the second one.
+    """A tree of sibling branches drawn from an honest dense q: model-free (q depends on the parent token only),
+    or with ``target`` the target's own distribution at the node's context, flattened (temperature 2), so that
+    first children are often rejected and later siblings and their subtrees decide the output (power for the
+    mutants). Shape (depth <= k): the root gets ``width`` children, the first ``width`` more, the second one.
     ``without_replacement``: each sibling set by ``multinomial(q, m, replacement=False)``, declared so."""
 
     name = "random-tree"
 
-    def __init__(self, vocab: int, width: int = 2, without_replacement: bool = False, seed: int = 0):
+    def __init__(self, vocab: int, width: int = 2, without_replacement: bool = False, seed: int = 0, target=None):
         gen = torch.Generator().manual_seed(seed)
         self.table = torch.softmax(2.0 * torch.randn(vocab, vocab, generator=gen), -1)  # q given the parent token
-        self.width, self.without = width, without_replacement
+        self.width, self.without, self.model = width, without_replacement, target and target.model
         self.verdicts = []
+
+    def _law(self, context: list[int]) -> torch.Tensor:
+        if self.model is None:
+            return self.table[context[-1]]
+        with torch.inference_mode():
+            return torch.softmax(self.model(input_ids=torch.tensor([context])).logits[0, -1].float() / 2.0, -1)
 
     def begin(self, seq):
         seq.scratch[self.name] = torch.Generator().manual_seed(1000 + (seq.sampling.seed or 0))
 
-    def _children(self, token: int, m: int, gen) -> tuple[list[int], torch.Tensor]:
-        q = self.table[token]
+    def _children(self, context: list[int], m: int, gen) -> tuple[list[int], torch.Tensor]:
+        q = self._law(context)
         m = min(m, int((q > 0).sum())) if self.without else m
         return torch.multinomial(q, m, replacement=not self.without, generator=gen).tolist(), q
 
@@ -48,17 +56,17 @@ class RandomTreeProposer(specplug.Proposer):
         gen = seq.scratch[self.name]
         tokens, parents, qs = [], [], []
 
-        def add(parent: int, parent_token: int, m: int) -> None:
-            kids, q = self._children(parent_token, m, gen)
+        def add(parent: int, context: list[int], m: int) -> None:
+            kids, q = self._children(context, m, gen)
             for x in kids:
                 tokens.append(x), parents.append(parent), qs.append(q)
 
-        add(-1, seq.ids[-1], self.width)
+        add(-1, list(seq.ids), self.width)
         if k >= 2:
             first, second = tokens[0], tokens[1] if len(tokens) > 1 else None
-            add(0, first, self.width)
+            add(0, list(seq.ids) + [first], self.width)
             if second is not None:
-                add(1, second, 1)
+                add(1, list(seq.ids) + [second], 1)
         return TreeProposal(tokens, parents, torch.stack(qs), without_replacement=self.without)
 
     def observe(self, seq, verdict):
@@ -108,7 +116,14 @@ def hf_small_target(small_vocab_dirs):
 def test_tree_speculative_sampling_matches_target_distribution(setting, small_target):
     proposer = RandomTreeProposer(small_target.vocab_size)
     assert pvalue(small_target, proposer, SETTINGS[setting]) > EXACTNESS_ALPHA
-    assert any(len(v.path) == 2 for v in proposer.verdicts)  # deep paths were accepted, not only roots
+    assert any(len(getattr(v, "path", ())) == 2 for v in proposer.verdicts)  # deep paths were accepted too
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_tree_drawn_from_the_targets_flattened_law_matches_target_distribution(setting, small_target):
+    proposer = RandomTreeProposer(small_target.vocab_size, width=3, target=small_target)
+    assert pvalue(small_target, proposer, SETTINGS[setting]) > EXACTNESS_ALPHA
+    assert any(getattr(v, "path", [0])[0] > 0 for v in proposer.verdicts)  # later siblings were accepted
 
 
 def test_tree_drawn_without_replacement_matches_target_distribution(small_target):
@@ -124,15 +139,16 @@ def test_tree_on_hf_forward_with_a_4d_mask_matches_target_distribution(without, 
 
 def test_exactness_check_rejects_the_residual_not_updated_after_a_rejected_sibling(small_target, monkeypatch):
     monkeypatch.setattr(tree_rule, "next_residual", lambda residual, q_sibling: residual)
-    proposer = RandomTreeProposer(small_target.vocab_size, width=3)
+    proposer = RandomTreeProposer(small_target.vocab_size, width=3, target=small_target)
     assert pvalue(small_target, proposer, SETTINGS["temperature-1"], 1500) < EXACTNESS_ALPHA
 
 
 def _leaky_mask(self):
-    """The mutant: each node also sees the siblings drafted before it."""
+    """The mutant: each node also sees its siblings (those drafted before it and after)."""
     mask = torch.zeros(self.n + 1, self.n + 1, dtype=torch.bool)
     mask[:, 0] = True
-    mask[1:, 1:] = tree_rule.ancestors(self.parents) | earlier_siblings(self.parents)
+    siblings = earlier_siblings(self.parents)
+    mask[1:, 1:] = tree_rule.ancestors(self.parents) | siblings | siblings.T
     return mask
 
 
@@ -141,8 +157,8 @@ def test_exactness_check_rejects_a_mask_that_lets_a_node_see_its_sibling(lean, s
                                                                          monkeypatch):
     monkeypatch.setattr(TreeProposal, "attention_mask", _leaky_mask)
     target = small_target if lean else hf_small_target
-    proposer = RandomTreeProposer(target.vocab_size, width=3)
-    assert pvalue(target, proposer, SETTINGS["temperature-1"], 1500) < EXACTNESS_ALPHA
+    proposer = RandomTreeProposer(target.vocab_size, width=3, target=target)
+    assert pvalue(target, proposer, SETTINGS["temperature-1"]) < EXACTNESS_ALPHA
 
 
 @pytest.mark.parametrize("setting", ["temperature-1", "top-k-3"])
