@@ -354,8 +354,9 @@ class Engine:
                 rule = verify_tree_greedy if is_tree(self.live[j].proposal) else verify_greedy
                 verdicts[j] = rule(best[scores.span(j)], self.live[j].proposal)
         sampled = [j for j, r in enumerate(self.live) if not r.seq.sampling.greedy]
-        for rows, rule in ((([j for j in sampled if not is_tree(self.live[j].proposal)]), self._verify_sampled),
-                           (([j for j in sampled if is_tree(self.live[j].proposal)]), self._verify_trees)):
+        chains = [j for j in sampled if not is_tree(self.live[j].proposal)]
+        trees = [j for j in sampled if is_tree(self.live[j].proposal)]
+        for rows, rule in ((chains, self._verify_sampled), (trees, self._verify_trees)):
             if rows:
                 for j, verdict in zip(rows, rule(scores, rows)):
                     verdicts[j] = verdict
