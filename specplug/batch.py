@@ -23,7 +23,8 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
                    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                    num_speculative_tokens=4, stop: Sequence[str] = (), strict: bool = False,
                    max_batch_size: int | None = None,
-                   callback: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+                   callback: Callable[[int, list[int]], None] | None = None,
+                   verification: str = "token") -> list[GenerationResult]:
     """Decode every prompt with ``target`` at once, drafting with ``proposer`` (None: target-only).
 
     ``sampling`` and ``max_new_tokens`` may be one value or one per prompt (give per-row seeds for per-row
@@ -39,12 +40,14 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
     more than one row drafts: then those rows go in one call (a raise makes all of them fall back).
     Returns one :class:`GenerationResult` per prompt, in order. Per-row stats: ``draft_time`` is the row's own
     drafting, ``target_time``/``verify_time`` and ``step_times`` are the shared step's (what the row waited).
+    ``verification``: "token" or "block" for sampled chain rows (see :func:`specplug.decode.generate`). Rows may
+    mix chains and trees (a proposer returning a :class:`~specplug.verifier.TreeProposal`).
     """
     if not prompts:
         return []
     engine = Engine(target, proposer, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                     num_speculative_tokens=num_speculative_tokens, stop=stop, strict=strict,
-                    max_batch_size=max_batch_size)
+                    max_batch_size=max_batch_size, verification=verification)
     for request, tokens in engine.run():
         if callback is not None:
             callback(request.index, tokens)

@@ -284,13 +284,15 @@ def _load_peer(peer, target, specs, gammas, batch_sizes):
 @click.option("--option", "-o", "options", multiple=True, metavar="KEY=VALUE", help="Proposer option.")
 @click.option("--samples", default=2000, show_default=True, type=click.IntRange(min=100),
               help="Samples per statistical check.")
+@click.option("--verification", type=click.Choice(["token", "block"]), default="token", show_default=True,
+              help="How the exactness checks verify sampled chains (block: Sun et al.'s block verification).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def check(name, options, samples, as_json) -> None:
+def check(name, options, samples, verification, as_json) -> None:
     """Check that proposer NAME is honest and exact (the conformance kit); exit 1 on any failure."""
     from specplug.conformance import ConformanceKit, registry_factory
 
     _quiet_transformers()
-    kit = ConformanceKit(samples=samples)
+    kit = ConformanceKit(samples=samples, verification=verification)
     try:
         results = kit.run(registry_factory(name, _parse_options(options)))
     except (UnknownProposerError, TypeError, ValueError) as exc:

@@ -4,9 +4,11 @@ The verifier is exact for any proposer *that really draws its tokens from the q 
 test that, and the rest of the contract, on a tiny enumerable target built on the fly:
 
 - q-honesty[T]: in fixed contexts, the first drafted token's empirical frequencies match the mean of the
-  q rows reported with it (chi-square), and no drafted token has q = 0;
+  q rows reported with it (chi-square), and no drafted token has q = 0; for a proposer that drafts trees,
+  every branch's nodes follow the law they declare (:func:`~specplug.tree_conformance.check_tree_q_honesty`);
 - exactness[setting]: speculative output over 3 tokens matches the target's enumerated distribution
-  (temperature 1, top-k, top-p);
+  (temperature 1, top-k, top-p), through the engine (trees scored with their mask and verified by the tree
+  rule; ``verification="block"`` checks block verification of the proposer's chains);
 - greedy-equality: greedy output equals target-only greedy output token for token;
 - determinism: two fresh instances with the same seed give the same output;
 - rollback-residue: after a run full of rejections, the proposer's next proposal equals the one it makes for a
@@ -24,11 +26,15 @@ from typing import Callable
 
 import torch
 
+from specplug.verifier import ProposalError, TreeProposal
+
 from .decode import generate
+from .engine import SpeculationError
 from .sampling import GREEDY, SamplingParams
 from .target import Target
 from .testing import (EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution,
                       tiny_llama)
+from .tree_conformance import check_tree_q_honesty
 from .types import Proposer, SequenceState
 
 VOCAB = 6
@@ -54,7 +60,7 @@ class CheckResult:
 class ConformanceKit:
     """A tiny target (6 tokens, no EOS) and a tiny draft for it, saved and loaded through from_pretrained."""
 
-    def __init__(self, workdir: str | Path | None = None, samples: int = 2000):
+    def __init__(self, workdir: str | Path | None = None, samples: int = 2000, verification: str = "token"):
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="specplug-check-")
         root = Path(workdir or self._tmp.name)
         self.draft_dir = root / "draft"
@@ -62,7 +68,7 @@ class ConformanceKit:
             tiny_llama(root / "target", VOCAB, hidden=32, layers=2, seed=0, init=0.3)
             tiny_llama(self.draft_dir, VOCAB, hidden=16, layers=1, seed=7, init=0.2)
         self.target = Target.from_pretrained(root / "target")
-        self.samples = samples
+        self.samples, self.verification = samples, verification
 
     def run(self, factory: ProposerFactory) -> list[CheckResult]:
         make = lambda: factory(self.target, self.draft_dir)  # noqa: E731
@@ -74,6 +80,8 @@ class ConformanceKit:
 
     # --- the properties ------------------------------------------------------------------------------
     def q_honesty(self, proposer: Proposer, sampling: SamplingParams, name: str) -> CheckResult:
+        if isinstance(self._propose(proposer, PROMPTS[0], sampling, 0), TreeProposal):
+            return self.tree_q_honesty(proposer, sampling, name)
         worst, exercised = 1.0, 0
         for prompt in PROMPTS:
             counts: Counter = Counter()
@@ -104,14 +112,47 @@ class ConformanceKit:
         return CheckResult(name, status, f"drafted-token frequencies vs mean reported q over {exercised} contexts: "
                                          f"min chi-square p = {worst:.3g} (fail below {EXACTNESS_ALPHA:g})")
 
+    def tree_q_honesty(self, proposer: Proposer, sampling: SamplingParams, name: str) -> CheckResult:
+        """Per branch (depth, rank among siblings): each node's PIT under its declared law is uniform."""
+        worst, nodes = None, 0
+        for prompt in PROMPTS:
+            seeds = iter(range(self.samples))
+            try:
+                honesty = check_tree_q_honesty(lambda: self._propose(proposer, prompt, sampling, next(seeds)),
+                                               self.target.vocab_size, samples=self.samples)
+            except ProposalError as exc:
+                return CheckResult(name, "fail", f"context {prompt}: {exc}")
+            nodes += honesty.nodes
+            if honesty.by_branch and (worst is None or honesty.p_value < worst.p_value):
+                worst = honesty
+        if worst is None:
+            return CheckResult(name, "skip", "the proposer drafted (almost) no tree nodes in the test contexts")
+        status = "pass" if worst.passed else "fail"
+        return CheckResult(name, status, f"tree nodes' PIT under their declared laws, per branch, over {nodes} "
+                                         f"nodes; worst context: {worst.evidence} (fail below {EXACTNESS_ALPHA:g})")
+
+    def _propose(self, proposer: Proposer, prompt, sampling: SamplingParams, seed: int):
+        """One proposal (k = 2) for a fresh sequence holding ``prompt``."""
+        seq = self._sequence(prompt, sampling, seed=seed)
+        proposer.begin(seq)
+        try:
+            return proposer.propose(seq, 2)
+        finally:
+            proposer.end(seq)
+
     def exactness(self, proposer: Proposer, name: str, sampling: SamplingParams) -> CheckResult:
         prompt = PROMPTS[0]
         expected = exact_distribution(self.target, prompt, 3, sampling)
-        counts = sampled_distribution(self.target, proposer, prompt, 3, sampling, self.samples)
+        try:
+            counts = sampled_distribution(self.target, proposer, prompt, 3, sampling, self.samples,
+                                          verification=self.verification)
+        except SpeculationError as exc:  # e.g. a tree that repeats a token it declares drawn without replacement
+            return CheckResult(f"exactness[{name}]", "fail", str(exc))
         p = chi_square_pvalue(counts, expected)
         status = "pass" if p > EXACTNESS_ALPHA else "fail"
+        how = "" if self.verification == "token" else f" ({self.verification} verification)"
         return CheckResult(f"exactness[{name}]", status,
-                           f"{self.samples} speculative 3-token samples vs the enumerated target distribution: "
+                           f"{self.samples} speculative 3-token samples{how} vs the enumerated target distribution: "
                            f"chi-square p = {p:.3g} (fail below {EXACTNESS_ALPHA:g})")
 
     def greedy_equality(self, proposer: Proposer) -> CheckResult:
@@ -172,7 +213,8 @@ class _ResidueProbe(Proposer):
         clean = self.inner.propose(fresh, 3)
         self.inner.end(fresh)
         self.inner.end(seq)
-        same_tokens = continued.tokens.tolist() == clean.tokens.tolist()
+        same_tokens = continued.tokens.tolist() == clean.tokens.tolist() and (
+            getattr(continued, "parents", torch.empty(0)).tolist() == getattr(clean, "parents", torch.empty(0)).tolist())
         same_q = ((continued.q is None) == (clean.q is None)) and (
             continued.q is None or torch.allclose(continued.q.cpu(), clean.q.cpu(), atol=1e-4))
         if same_tokens and same_q:

@@ -30,14 +30,14 @@ class StreamChunk:
 def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequence[int], *,
                  max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                  num_speculative_tokens: int | GammaPolicy = 4, stop: Sequence[str] = (), strict: bool = False,
-                 ) -> Iterator[list[int]]:
+                 verification: str = "token") -> Iterator[list[int]]:
     """Yield the tokens emitted by each step; the generator's return value is the GenerationResult.
 
     ``num_speculative_tokens`` is a fixed γ, a policy choosing k per step (a
     :class:`~specplug.policies.GammaPolicy` or any object with ``choose(seq, max_k)``) or a callable ``seq -> k``.
     """
     engine = Engine(target, proposer, [prompt], max_new_tokens=max_new_tokens, sampling=sampling,
-                    num_speculative_tokens=num_speculative_tokens, stop=stop, strict=strict)
+                    num_speculative_tokens=num_speculative_tokens, stop=stop, strict=strict, verification=verification)
     events = engine.run()
     try:
         for _, tokens in events:
@@ -50,15 +50,19 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
 def generate(target: Target, proposer: Proposer | None, prompt: str | Sequence[int], *,
              max_new_tokens: int = 64, sampling: SamplingParams | None = None,
              num_speculative_tokens: int | GammaPolicy = 4, stop: Sequence[str] = (), strict: bool = False,
-             callback: Callable[[list[int]], None] | None = None) -> GenerationResult:
+             callback: Callable[[list[int]], None] | None = None, verification: str = "token") -> GenerationResult:
     """Decode ``prompt`` with ``target``, drafting with ``proposer`` (None: target-only, same engine).
 
     The output is distributed exactly as sampling from the target with ``sampling``; greedy output equals
     target-only greedy output where the target's verify passes are bit-identical to its one-token steps
     (``target.verify_bit_identical``). ``callback`` receives each step's emitted tokens as they come.
+    ``verification``: "token" (token-wise, the default) or "block" (Sun et al.'s block verification of a
+    sampled chain: exact too, never fewer tokens in expectation; not for trees). ``proposer.propose`` may
+    return a :class:`~specplug.verifier.TreeProposal` no deeper than the k asked.
     """
     steps = decode_steps(target, proposer, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
-                         num_speculative_tokens=num_speculative_tokens, stop=stop, strict=strict)
+                         num_speculative_tokens=num_speculative_tokens, stop=stop, strict=strict,
+                         verification=verification)
     while True:
         try:
             tokens = next(steps)

@@ -17,6 +17,10 @@ is warned about (an error under ``strict``).
 Exactness and reproducibility: a greedy row is verified on the target's argmax and draws nothing; a sampled
 row draws its verifier uniforms from its own generator, ``rand(1, k + 1)`` right after its proposal, so a row
 emits the same tokens in any batch as decoded alone (up to the rounding of the target's pass: see ``Target``).
+
+A proposal may be a tree (:class:`~specplug.verifier.TreeProposal`, no deeper than the k asked): it is scored in
+the same pass, verified by the tree rule (``rand(1, n + 1)`` for a sampled row) and the cache keeps its accepted
+path (:mod:`specplug.tree_steps`). ``verification="block"`` verifies sampled chains jointly (Sun et al.).
 """
 from __future__ import annotations
 
@@ -29,7 +33,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from specplug.verifier import Proposal, ProposalError, Verdict, validate_proposal, verify_batch, verify_greedy
+from specplug.verifier import (VERIFICATIONS, Proposal, ProposalError, TreeProposal, Verdict, validate_proposal,
+                               verify_batch, verify_greedy, verify_tree_greedy)
 
 from .metrics import GenerationStats
 from .policies import FixedPolicy
@@ -37,6 +42,7 @@ from .rows import RowScores
 from .sampling import SamplingParams, processed_probs
 from .stopping import Stopper
 from .target import Target
+from .tree_steps import checked_tree, drafted, is_tree, kept_rows, verify_sampled_trees
 from .types import Proposer, SequenceState
 
 __all__ = ["GenerationResult", "SpeculationError", "Engine", "Request", "as_policy", "prompt_ids", "per_row"]
@@ -142,7 +148,7 @@ class Request:
     result: GenerationResult | None = None
     # this step's
     asked: int = 0
-    proposal: Proposal | None = None
+    proposal: Proposal | TreeProposal | None = None
     fell_back: bool = False
     draft_time: float = 0.0
 
@@ -163,7 +169,10 @@ class Engine:
                  max_new_tokens: int | Sequence[int] = 64,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  num_speculative_tokens=4, stop: Sequence[str] = (), strict: bool = False,
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, verification: str = "token"):
+        if verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
+        self.verification = verification
         n = len(prompts)
         samplings = per_row(sampling or SamplingParams(), n, "sampling")
         budgets = [int(b) for b in per_row(max_new_tokens, n, "max_new_tokens")]
@@ -214,11 +223,14 @@ class Engine:
         self._choose()
         self._propose()
         t1 = time.perf_counter()
-        scores = self.rows.score([[r.seq.ids[-1], *r.proposal.tokens.tolist()] for r in self.live], self.features)
+        trees = [r.proposal if is_tree(r.proposal) else None for r in self.live]
+        scores = self.rows.score([[r.seq.ids[-1], *r.proposal.tokens.tolist()] for r in self.live], self.features,
+                                 trees=trees if any(t is not None for t in trees) else None)
         t2 = time.perf_counter()
         verdicts = self._verify(scores)
-        # keep [last, accepted drafts] in the cache; the emitted token is fed by the next step
-        self.rows.keep([len(r.seq.ids) + v.accepted for r, v in zip(self.live, verdicts)])
+        # keep [last, accepted drafts] in the cache (a tree: its accepted path); the next step feeds the emitted token
+        self.rows.keep([len(r.seq.ids) + v.accepted for r, v in zip(self.live, verdicts)],
+                       [kept_rows(t, v) if t is not None else None for t, v in zip(trees, verdicts)])
         t3 = time.perf_counter()
         return self._settle(verdicts, scores, t0, (t1 - t0, t2 - t1, t3 - t2))
 
@@ -308,10 +320,20 @@ class Engine:
         for req in self.live:
             req.proposal = self._checked(req) if req.proposal is not None else Proposal.empty(device)
 
-    def _checked(self, req: Request) -> Proposal:
+    def _checked(self, req: Request) -> Proposal | TreeProposal:
         """The proposal on the target's device, once it is known to be verifiable: before scoring, so a bad id
         never reaches the model."""
         proposal = req.proposal
+        if is_tree(proposal):
+            if self.verification == "block" and not req.seq.sampling.greedy:
+                raise self._fail(req, "drafted a tree, but verification='block' verifies chains only "
+                                      "(use verification='token', or a chain: tree=0)")
+            try:
+                return checked_tree(proposal, req.asked, self.target.vocab_size, self.target.device)
+            except ProposalError as exc:
+                raise self._fail(req, str(exc)) from exc
+        if not isinstance(proposal, Proposal):
+            raise self._fail(req, f"propose() returned {type(proposal).__name__}, not a Proposal or TreeProposal")
         if proposal.k > req.asked:
             raise self._fail(req, f"proposed {proposal.k} tokens when asked for at most {req.asked}")
         try:
@@ -329,28 +351,28 @@ class Engine:
         if greedy:
             best = scores.logits.float().argmax(-1).tolist()
             for j in greedy:
-                verdicts[j] = verify_greedy(best[scores.span(j)], self.live[j].proposal)
+                rule = verify_tree_greedy if is_tree(self.live[j].proposal) else verify_greedy
+                verdicts[j] = rule(best[scores.span(j)], self.live[j].proposal)
         sampled = [j for j, r in enumerate(self.live) if not r.seq.sampling.greedy]
-        if sampled:
-            for j, verdict in zip(sampled, self._verify_sampled(scores, sampled)):
-                verdicts[j] = verdict
+        chains = [j for j in sampled if not is_tree(self.live[j].proposal)]
+        trees = [j for j in sampled if is_tree(self.live[j].proposal)]
+        for rows, rule in ((chains, self._verify_sampled), (trees, self._verify_trees)):
+            if rows:
+                for j, verdict in zip(rows, rule(scores, rows)):
+                    verdicts[j] = verdict
         return verdicts
+
+    def _verify_trees(self, scores: RowScores, rows: list[int]) -> list[Verdict]:
+        reqs = [self.live[j] for j in rows]
+        return verify_sampled_trees(_processed_rows(scores, rows, [r.seq.sampling for r in reqs]),
+                                    [r.proposal for r in reqs], [r.seq.rng for r in reqs])
 
     def _verify_sampled(self, scores: RowScores, rows: list[int]) -> list[Verdict]:
         reqs = [self.live[j] for j in rows]
         proposals = [r.proposal for r in reqs]
         K = max(p.k for p in proposals)
         V, device = scores.logits.shape[-1], scores.logits.device
-        p_target = torch.zeros(len(rows), K + 1, V, dtype=torch.float32, device=device)
-        groups: dict[tuple, list[int]] = {}  # rows sharing SamplingParams are processed in one call
-        for i, req in enumerate(reqs):
-            s = req.seq.sampling
-            groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
-        for members in groups.values():
-            at = torch.tensor([(i, n) for i in members for n in range(proposals[i].k + 1)], device=device)
-            flat = torch.cat([torch.arange(scores.span(rows[i]).start, scores.span(rows[i]).stop) for i in members])
-            p_target[at[:, 0], at[:, 1]] = processed_probs(scores.logits[flat.to(device)],
-                                                           reqs[members[0]].seq.sampling)
+        p_target = _processed_rows(scores, rows, [r.seq.sampling for r in reqs])
         draft = torch.zeros(len(rows), K, dtype=torch.long, device=device)
         uniforms = torch.zeros(len(rows), K + 1, dtype=torch.float32, device=device)
         for i, (req, p) in enumerate(zip(reqs, proposals)):
@@ -360,7 +382,7 @@ class Engine:
             uniforms[i, : p.k], uniforms[i, K] = u[: p.k], u[p.k]
         lengths = torch.tensor([p.k for p in proposals], dtype=torch.long, device=device)
         out = verify_batch(p_target, draft, _dense_q(proposals, K, V, device), lengths, uniforms=uniforms,
-                           validate=False)
+                           validate=False, verification=self.verification)
         accepted, tokens = out.accepted.tolist(), out.tokens.tolist()
         return [Verdict(accepted=a, proposed=p.k, tokens=t[: a + 1]) for a, p, t in zip(accepted, proposals, tokens)]
 
@@ -372,7 +394,7 @@ class Engine:
         B = len(self.live)
         # what the whole step cost, for batch-aware policies: every row waits for all the drafting, and the pass
         # scores K + 1 positions for every row whatever each proposed (one dict per step)
-        ks = [r.proposal.k for r in self.live]
+        ks = [drafted(r.proposal) for r in self.live]
         step = {"scored": max(ks) + 1, "drafted": sum(ks), "draft_rows": sum(1 for k in ks if k),
                 "backlog_rows": sum(1 for r in self.live if r.drafting and r.asked > 0 and not r.drafted_last),
                 "draft_time": draft_all, "verify_time": target_time + verify_time, "batch_size": B}
@@ -382,11 +404,12 @@ class Engine:
             req.drafted_last = req.drafting and req.asked > 0
             if self.features:
                 span = scores.span(j)
-                verdict.features = {n: f[span][: verdict.accepted + 1] for n, f in scores.features.items()}
+                kept = kept_rows(req.proposal, verdict)  # [last, accepted]: a tree's path, a chain's prefix
+                verdict.features = {n: f[span][kept] for n, f in scores.features.items()}
             if req.drafting:
                 if self.batched:
                     seq.scratch["batch_step"] = step
-                self._ask(req, "update", req.proposal.k, verdict.accepted, req.draft_time, target_time, B)
+                self._ask(req, "update", ks[j], verdict.accepted, req.draft_time, target_time, B)
             emitted, reason = self.stopper.emit(seq, verdict.tokens, req.remaining)
             if req.drafting and not req.fell_back:
                 try:
@@ -397,7 +420,8 @@ class Engine:
             stats.draft_time += req.draft_time
             stats.target_time += target_time
             stats.verify_time += verify_time
-            stats.record_step(req.asked, req.proposal.k, verdict.accepted, len(emitted), time.perf_counter() - t0)
+            stats.record_step(req.asked, ks[j], verdict.accepted, len(emitted), time.perf_counter() - t0,
+                              scores.counts[j])
             if emitted:
                 events.append((req, emitted))
             if reason:
@@ -484,6 +508,22 @@ class Engine:
         warnings.warn(f"proposer {self.name!r} failed in {where}() ({exc!r}){self._where(req)}; decoding "
                       "target-only", stacklevel=4)
         req.drafting, self.warned = False, True
+
+
+def _processed_rows(scores: RowScores, rows: list[int], samplings: list[SamplingParams]) -> torch.Tensor:
+    """[B, W, V] float32: the processed target distributions over each of ``rows``' scored positions (its span),
+    zero past a row's own count; rows sharing SamplingParams are processed in one call."""
+    V, device = scores.logits.shape[-1], scores.logits.device
+    counts = [scores.counts[j] for j in rows]
+    p_target = torch.zeros(len(rows), max(counts), V, dtype=torch.float32, device=device)
+    groups: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samplings):
+        groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(i)
+    for members in groups.values():
+        at = torch.tensor([(i, n) for i in members for n in range(counts[i])], device=device)
+        flat = torch.cat([torch.arange(scores.span(rows[i]).start, scores.span(rows[i]).stop) for i in members])
+        p_target[at[:, 0], at[:, 1]] = processed_probs(scores.logits[flat.to(device)], samplings[members[0]])
+    return p_target
 
 
 def _dense_q(proposals: list[Proposal], K: int, V: int, device) -> torch.Tensor | None:

@@ -41,9 +41,13 @@ class GenerationStats:
     step_accepted: list[int] = field(default_factory=list)
     step_emitted: list[int] = field(default_factory=list)  # accepted + 1, less any cut at EOS/stop/limit
     step_times: list[float] = field(default_factory=list)
+    step_scored: list[int] = field(default_factory=list)  # positions the target scored: the last token + the nodes
     finish_reason: str = ""
 
-    def record_step(self, k_asked: int, proposed: int, accepted: int, emitted: int, step_time: float) -> None:
+    def record_step(self, k_asked: int, proposed: int, accepted: int, emitted: int, step_time: float,
+                    scored: int | None = None) -> None:
+        """One step; ``scored`` (default proposed + 1) counts what the target's pass scored for the request."""
+        self.step_scored.append(proposed + 1 if scored is None else scored)
         self.step_gammas.append(k_asked)
         self.step_proposed.append(proposed)
         self.step_accepted.append(accepted)
@@ -100,6 +104,11 @@ class GenerationStats:
         return [float(a / p) for a, p in zip(self.accepted_at, self.proposed_at)]
 
     @property
+    def nodes_scored_per_step(self) -> float | None:
+        """Positions the target scored per call (a chain of k: k + 1; a tree of n nodes: n + 1)."""
+        return sum(self.step_scored) / len(self.step_scored) if self.step_scored else None
+
+    @property
     def mean_gamma(self) -> float:
         return self.draft_tokens / self.target_calls if self.target_calls else 0.0
 
@@ -143,6 +152,7 @@ class GenerationStats:
             "acceptance_rate": self.acceptance_rate, "alpha": self.alpha,
             "mean_acceptance_length": self.mean_acceptance_length,
             "per_position_acceptance": self.per_position_acceptance, "mean_gamma": self.mean_gamma,
+            "nodes_scored_per_step": self.nodes_scored_per_step,
             "draft_time_s": self.draft_time, "target_time_s": self.target_time, "verify_time_s": self.verify_time,
             "prefill_time_s": self.prefill_time, "wall_time_s": self.wall_time,
             "draft_cost_ratio": self.draft_cost_ratio, "predicted_speedup": self.predicted_speedup,
@@ -161,7 +171,7 @@ def aggregate(stats: list[GenerationStats]) -> dict:
         pooled.fallback_steps += s.fallback_steps
         for name in ("draft_time", "target_time", "verify_time", "prefill_time", "wall_time"):
             setattr(pooled, name, getattr(pooled, name) + getattr(s, name))
-        for name in ("step_gammas", "step_proposed", "step_accepted", "step_emitted", "step_times"):
+        for name in ("step_gammas", "step_proposed", "step_accepted", "step_emitted", "step_times", "step_scored"):
             getattr(pooled, name).extend(getattr(s, name))
     out = pooled.to_dict()
     del out["finish_reason"]

@@ -41,13 +41,14 @@ def exact_distribution(target: Target, prompt_ids: Sequence[int], n_tokens: int,
 
 def sampled_distribution(target: Target, proposer: Proposer | None, prompt_ids: Sequence[int], n_tokens: int,
                          sampling: SamplingParams, n_samples: int, *, num_speculative_tokens: int = 2,
-                         seed: int = 0) -> Counter:
-    """Counts of n-token continuations from ``n_samples`` speculative runs with seeds seed, seed+1, ..."""
+                         seed: int = 0, verification: str = "token") -> Counter:
+    """Counts of n-token continuations from ``n_samples`` speculative runs with seeds seed, seed+1, ...
+    (``verification``: "token" or "block", as for :func:`~specplug.decode.generate`)."""
     counts: Counter = Counter()
     for i in range(n_samples):
         params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed + i)
         result = generate(target, proposer, list(prompt_ids), max_new_tokens=n_tokens, sampling=params,
-                          num_speculative_tokens=num_speculative_tokens, strict=True)
+                          num_speculative_tokens=num_speculative_tokens, strict=True, verification=verification)
         counts[tuple(result.tokens)] += 1
     return counts
 
@@ -96,13 +97,14 @@ def tiny_llama(out: str | Path, vocab_size: int, *, hidden: int = 32, layers: in
     return Path(out)
 
 
-def assert_proposer_conforms(factory, *, samples: int = 1000, workdir=None) -> None:
+def assert_proposer_conforms(factory, *, samples: int = 1000, workdir=None, verification: str = "token") -> None:
     """For a plugin's own test suite: run the conformance kit and fail with every failed property's evidence.
 
     ``factory(target, draft_dir)`` builds the proposer for the kit's tiny 6-token target (``draft_dir`` holds a
-    tiny draft model for that target, for proposers that need one).
+    tiny draft model for that target, for proposers that need one). A proposer that drafts trees is checked per
+    branch; ``verification="block"`` checks exactness under block verification of its chains.
     """
     from .conformance import ConformanceKit
 
-    failed = [r for r in ConformanceKit(workdir, samples).run(factory) if not r.passed]
+    failed = [r for r in ConformanceKit(workdir, samples, verification).run(factory) if not r.passed]
     assert not failed, "proposer failed conformance:\n" + "\n".join(f"  {r.name}: {r.evidence}" for r in failed)
