@@ -6,6 +6,7 @@ import json
 from importlib import resources
 
 import jsonschema
+import pytest
 import numpy as np
 from click.testing import CliRunner
 from rich.console import Console
@@ -253,3 +254,18 @@ def test_compare_no_lean_scores_on_hf_forward_and_says_so(tiny_dirs, tmp_path):
     assert result.exit_code == 0, result.output
     target = json.loads(result.stdout)["target"]
     assert target["lean"] is False and target["lean_note"].startswith("lean=False")
+
+
+def test_tree_cells_stand_beside_chain_cells_with_their_nodes_and_scoring_cost():
+    # a tree of 16 nodes scores 17 positions a call at 1.7 target steps; the chain of 4 scores 5 at 1.1
+    report, cells = _report(cells=(("eagle", 4, 3, 0.05, 1.1), ("eagle:tree=16", 4, 4, 0.05, 1.7),
+                                   ("eagle:verification=block", 4, 3, 0.05, 1.1)))
+    tree, chain, block = cells["eagle:tree=16"], cells["eagle"], cells["eagle:verification=block"]
+    assert (tree["tree"], chain["tree"]) == (16, None)
+    assert (block["verification"], chain["verification"]) == ("block", "token")
+    assert tree["verify_cost"] == pytest.approx(1.7, rel=0.05) and chain["verify_cost"] == pytest.approx(1.1, rel=0.05)
+    table = tables(report)[0]
+    assert {"nodes", "v"} <= {col.header for col in table.columns}
+    console = Console(width=WIDTH, file=io.StringIO(), record=True)
+    console.print(table)
+    assert max(len(line) for line in console.export_text().splitlines()) <= WIDTH

@@ -321,8 +321,11 @@ def _cell_row(key, entries, base_by_pair, base_slow, base_step, memory_bytes) ->
     by_sample: dict[int, list[float]] = {}
     for pair, s in speedup_of.items():
         by_sample.setdefault(pair[2], []).append(s)
+    spec = ProposerSpec.parse(label)
     return {
         "proposer": label, "workload": wl, "temperature": t, "gamma": g, "runs": len(entries),
+        "tree": spec.options.get("tree") or None, "verification": spec.decode.get("verification", "token"),
+        "nodes_scored_per_step": pooled["nodes_scored_per_step"],
         "acceptance_rate": pooled["acceptance_rate"], "alpha": alpha, "mean_acceptance_length": tau,
         "per_position_acceptance": pooled["per_position_acceptance"], "draft_cost_ratio": c,
         "tokens_per_second": _median([r.stats.tokens_per_second for _, r in entries]),

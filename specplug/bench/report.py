@@ -11,7 +11,8 @@ from .confidence import BUSY
 
 PEER_TITLES = {"hf": "Hugging Face transformers' assisted generation on the same target, draft and prompts",
                "vllm": "vLLM on the same target, drafts and prompts (τ from vLLM's own counters)"}
-PLOTS = ("speedup_vs_gamma", "per_position_acceptance", "latency_distribution", "measured_vs_predicted")
+PLOTS = ("speedup_vs_gamma", "per_position_acceptance", "latency_distribution", "measured_vs_predicted",
+         "verify_cost_vs_nodes")
 WIDTH = 120
 WIDE_WIDTH = 200
 RATIO_NOTE = ("meas/pred: speed-up ÷ τ/(γc + v), what this cell's τ, c and scoring cost v (in target-only steps) "
@@ -78,11 +79,12 @@ def notes(report: dict, wide: bool = False) -> list[str]:
 
 def _columns(report, wide: bool) -> list[str]:
     several = len({c["workload"] for c in report["cells"]} | {b["workload"] for b in report["baseline"]}) > 1
+    trees = any(c.get("tree") for c in report["cells"])  # nodes and v say what a tree's extra nodes cost
     if not wide:
-        return ["proposer"] + (["workload"] if several else []) + ["T", "γ", "α", "τ", "c", "speed-up [95%]",
-                                                                   "meas/pred", "greedy =", "flag"]
+        return ["proposer"] + (["workload"] if several else []) + ["T", "γ"] + (["nodes", "v"] if trees else []) \
+            + ["α", "τ", "c", "speed-up [95%]", "meas/pred", "greedy =", "flag"]
     repeated = any(len(c["speedup_by_sample"]) > 1 for c in report["cells"])
-    return ["proposer", "workload", "T", "γ", "α", "τ", "c", "v", "tok/s", "speed-up [95%]", "predicted",
+    return ["proposer", "workload", "T", "γ", "nodes", "α", "τ", "c", "v", "tok/s", "speed-up [95%]", "predicted",
             "meas/pred(v=1)", "meas/pred(v)", "meas/pred", "p50 ms", "p99 ms", "greedy =", "flag"] \
         + (["by sample"] if repeated else [])
 
@@ -90,6 +92,7 @@ def _columns(report, wide: bool) -> list[str]:
 def _values(c, bit_identical) -> dict:
     return {
         "proposer": c["proposer"], "workload": c["workload"], "T": _fmt(c["temperature"], "g"), "γ": str(c["gamma"]),
+        "nodes": _fmt(c.get("nodes_scored_per_step"), ".1f"),
         "α": _fmt(c["acceptance_rate"]), "τ": _fmt(c["mean_acceptance_length"]),
         "c": _fmt(c["draft_cost_ratio"], ".3f"),
         "v": _fmt(c["verify_cost"]), "tok/s": _fmt(c["tokens_per_second"], ".1f"), "speed-up [95%]": _speedup(c),
@@ -104,7 +107,7 @@ def _values(c, bit_identical) -> dict:
 
 def _baseline_values(b) -> dict:
     return {"proposer": "target-only", "workload": b["workload"], "T": _fmt(b["temperature"], "g"), "γ": "0",
-            "τ": "1.00", "v": "1.00", "tok/s": _fmt(b["tokens_per_second"], ".1f"), "speed-up [95%]": "1.00x",
+            "nodes": "1.0", "τ": "1.00", "v": "1.00", "tok/s": _fmt(b["tokens_per_second"], ".1f"), "speed-up [95%]": "1.00x",
             "p50 ms": _fmt(b["token_latency_p50_s"] * 1e3, ".1f"), "p99 ms": _fmt(b["token_latency_p99_s"] * 1e3, ".1f"),
             "flag": ""}
 
@@ -159,7 +162,7 @@ def _png(fig) -> str:
 
 
 def figures(report: dict) -> dict[str, str]:
-    """The four plots as base64 PNGs, keyed by PLOTS."""
+    """The plots as base64 PNGs, keyed by PLOTS."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,6 +232,17 @@ def figures(report: dict) -> dict[str, str]:
            title="Measured vs predicted speed-up")
     ax.legend(fontsize=7)
     out["measured_vs_predicted"] = _png(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, kind in enumerate(("chain", "tree")):
+        pts = [(c["nodes_scored_per_step"], c["verify_cost"]) for c in cells
+               if bool(c.get("tree")) == (kind == "tree") and c.get("nodes_scored_per_step") and c["verify_cost"]]
+        ax.scatter([x for x, _ in pts], [y for _, y in pts], color=f"C{i}", label=f"{kind} cells")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set(xlabel="positions scored per target call (nodes + 1)", ylabel="v: a call's cost in target-only steps",
+           title="Scoring cost by positions scored")
+    ax.legend(fontsize=7)
+    out["verify_cost_vs_nodes"] = _png(fig)
     return out
 
 
