@@ -77,6 +77,14 @@ class LayerCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def keep(self, start: int, indices: torch.Tensor) -> None:
+        """Move entries ``indices`` (absolute, ascending, >= start) to start, start + 1, ...; drop the rest."""
+        end = start + indices.numel()
+        with torch.inference_mode():  # a cache grown inside inference mode holds inference tensors
+            self.k[:, start:end] = self.k.index_select(1, indices)  # index_select copies: overlaps are safe
+            self.v[:, start:end] = self.v.index_select(1, indices)
+        self.length = end
+
 
 class Norm:
     """HF's LlamaRMSNorm (normalise in float32, cast back, scale), in one fused op where x is float32."""
@@ -217,17 +225,22 @@ class LeanLayer:
         return x + self.down(self.act(gate) * up)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
-                 keep: int = 0) -> torch.Tensor:
+                 keep: int = 0, visible: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, h]: T new positions after ``cache.length`` cached ones; cos/sin [T, head_dim] of their positions
         (sin signed as :class:`RopeTable` keeps it).
         Returns the outputs [T, h], or only the last ``keep`` rows' (0: all).
 
         Why ``keep``: every row's keys and values go into the cache, but a row's attention and MLP only feed
         its own output; a last layer whose caller reads one row (a drafter catching up on accepted tokens, a
-        prefill) skips them for the others."""
+        prefill) skips them for the others.
+
+        ``visible`` [T, cache.length + T] bool (with ``keep=0``): query i attends over exactly the keys its row
+        marks, in cache order, instead of the causal prefix (a tree: the prefix and the node's ancestors)."""
         T, start = x.shape[0], cache.length
         q, k, v = self._qkv(x, cos, sin)
         keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))
+        if visible is not None:
+            return self._finish(x, self._attend_visible(q * self.scaling, keys, values, visible).reshape(T, -1))
         if 0 < keep < T:
             x, q, start, T = x[-keep:], q[-keep:], start + T - keep, keep
         if T <= SMALL_ATTENTION:
@@ -248,6 +261,20 @@ class LeanLayer:
         q comes scaled (once for all rows, rather than each query's scores: one op a layer, not one a query)."""
         return [self._attend_one(q[i], keys[:, :start + i + 1], values[:, :start + i + 1]) for i in range(q.shape[0])]
 
+    def _attend_visible(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        visible: torch.Tensor) -> torch.Tensor:
+        """Scaled queries q [T, heads, d] over keys/values [kv_heads, L, d], query i over the keys ``visible[i]``
+        marks -> [T, heads, d]. A few queries each make the one-token step's call on their gathered keys (so a
+        tree's accepted path scores as the chain would); more run through torch's fused attention, masked."""
+        if q.shape[0] > SMALL_ATTENTION:
+            return F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible, scale=1.0,
+                                                  enable_gqa=self.heads != self.kv_heads).transpose(0, 1)
+        out = []
+        for i in range(q.shape[0]):
+            idx = visible[i].nonzero().squeeze(-1)
+            out.append(self._attend_one(q[i], keys.index_select(1, idx), values.index_select(1, idx)))
+        return torch.stack(out)
+
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Attention of one query q [heads, d] over keys/values [kv_heads, L, d] -> [heads, d]: two small
         products and a softmax, about half the time of torch's fused attention on one query (CPU)."""
@@ -260,18 +287,23 @@ class LeanLayer:
         return torch.bmm(weights, values).reshape(q.shape)
 
     def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[LayerCache],
-             counts: list[int]) -> torch.Tensor:
+             counts: list[int], visible: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
         """A few new positions in each of B sequences: x [N, h] holds ``counts[b]`` rows for sequence b in
         order, cos/sin [N, head_dim] their positions (sin signed, see :class:`RopeTable`), one cache per sequence.
+        ``visible[b]`` (None: causal): row b's [counts[b], length after] mask, as in ``__call__``.
 
         The products run once for all N rows (the weights are read once); attention runs per query over its
         own sequence's cache, as a one-token step would (see ``__call__``)."""
         q, k, v = self._qkv(x, cos, sin)
         outs, at = [], 0
-        for cache, n in zip(caches, counts):
+        for b, (cache, n) in enumerate(zip(caches, counts)):
             start = cache.length
             keys, values = cache.append(k[at:at + n].transpose(0, 1), v[at:at + n].transpose(0, 1))
-            outs += self._attend_each(q[at:at + n] * self.scaling, keys, values, start)
+            mask = None if visible is None else visible[b]
+            if mask is None:
+                outs += self._attend_each(q[at:at + n] * self.scaling, keys, values, start)
+            else:
+                outs += list(self._attend_visible(q[at:at + n] * self.scaling, keys, values, mask))
             at += n
         return self._finish(x, torch.stack(outs).reshape(x.shape[0], -1))
 
@@ -289,6 +321,15 @@ class LeanCache:
     def crop(self, length: int) -> None:
         for layer in self.layers:
             layer.crop(length)
+
+    def keep_entries(self, start: int, indices: Sequence[int] | torch.Tensor) -> None:
+        """Keep entries ``start..`` only at the absolute ``indices`` (ascending, each >= start), moved to
+        start, start + 1, ...: the K/V compaction of a tree's accepted path. The length becomes start + len(indices)."""
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.layers[0].k.device).reshape(-1)
+        if idx.numel() and (int(idx[0]) < start or bool((idx[1:] <= idx[:-1]).any()) or int(idx[-1]) >= self.length):
+            raise ValueError(f"keep_entries({start}, {idx.tolist()}): indices must ascend within {start}..{self.length - 1}")
+        for layer in self.layers:
+            layer.keep(start, idx)
 
     def get_seq_length(self) -> int:  # HF's cache API, for code that checks either kind
         return self.length
@@ -341,61 +382,98 @@ class LeanLlama:
         logits, _ = self.run(cache, tokens, keep=1 if last_only else 0, head=head)
         return logits[-1] if last_only else logits
 
+    @torch.inference_mode()
     def run(self, cache: LeanCache, tokens: list[int] | torch.Tensor, keep: int = 0,
             hidden: tuple[int, ...] = (), head=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Logits [keep or T, V] of the last ``keep`` tokens (all when 0) and the hidden states [T, h] numbered
         as HF's ``hidden_states``: 0 is the embeddings, i the output of layer i, the last one final-normed."""
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
+        cos, sin = self.rope.get(cache.length, ids.shape[0])
+        top = len(self.layers)
+        # the last layer runs attention and MLP for the kept rows only, unless the final state is wanted
+        last_keep = 0 if top in hidden else keep
+        x, states = self._stack(ids, hidden, lambda i, layer, x: layer(
+            x, cos, sin, cache.layers[i], keep=last_keep if i == top - 1 else 0))
+        return (head or self.head)(x[-keep:] if keep else x), states
+
+    @torch.inference_mode()
+    def run_masked(self, cache: LeanCache, tokens: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor,
+                   visible: torch.Tensor, hidden: tuple[int, ...] = (),
+                   head=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Append ``tokens`` [T] at rotary ``positions`` [T], query i attending over exactly the cache entries
+        ``visible[i]`` marks (bool [T, cache.length + T]: the prefix and everything appended, earlier provisional
+        tree nodes included). Returns logits [T, V] and hidden states as :meth:`run`.
+
+        A few queries attend one by one over their gathered keys by the call a one-token step makes, so a tree's
+        accepted path scores bit-identically to the chain wherever the products are row-invariant."""
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.device).reshape(-1)
+        mask = _checked_visible(visible, ids.shape[0], cache.length, self.device)
+        cos, sin = self._rope_at(positions, ids.shape[0])
+        x, states = self._stack(ids, hidden, lambda i, layer, x: layer(x, cos, sin, cache.layers[i], visible=mask))
+        return (head or self.head)(x), states
+
+    def _rope_at(self, positions: Sequence[int] | torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) [n, head_dim] at arbitrary positions."""
+        at = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
+        if at.numel() != n:
+            raise ValueError(f"{at.numel()} positions for {n} tokens")
+        self.rope.get(int(at.max()) if n else 0, 1)  # make sure the table reaches the furthest position
+        return self.rope.cos[at], self.rope.signed_sin[at]
+
+    def _stack(self, ids: torch.Tensor, hidden: tuple[int, ...], step) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Embed ``ids``, run ``step(i, layer, x)`` for every layer, final-norm; the states numbered as :meth:`run`."""
         states: dict[int, torch.Tensor] = {}
         top = len(self.layers)
-        with torch.inference_mode():
-            x = F.embedding(ids, self.embedding)
-            cos, sin = self.rope.get(cache.length, ids.shape[0])
-            # the last layer runs attention and MLP for the kept rows only, unless the final state is wanted
-            last_keep = 0 if top in hidden else keep
-            for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers)):
-                if i in hidden:
-                    states[i] = x
-                x = layer(x, cos, sin, layer_cache, keep=last_keep if i == top - 1 else 0)
-            x = self.norm(x)
-            if top in hidden:
-                states[top] = x
-            return (head or self.head)(x[-keep:] if keep else x), states
+        x = F.embedding(ids, self.embedding)
+        for i, layer in enumerate(self.layers):
+            if i in hidden:
+                states[i] = x
+            x = step(i, layer, x)
+        x = self.norm(x)
+        if top in hidden:
+            states[top] = x
+        return x, states
 
     def forward_rows(self, caches: list[LeanCache], tokens: Sequence[int | Sequence[int]], head=None) -> torch.Tensor:
         """A token (or a few: a list) after each of B sequences' cached ones, in one pass: logits [B, V] after
         each sequence's last token (``head`` as for :meth:`forward`)."""
         return self.run_rows(caches, tokens, last_only=True, head=head)[0]
 
+    @torch.inference_mode()
     def run_rows(self, caches: list[LeanCache], tokens: Sequence[int | Sequence[int]], hidden: tuple[int, ...] = (),
-                 last_only: bool = False, head=None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 last_only: bool = False, head=None, positions: Sequence[Sequence[int] | None] | None = None,
+                 visible: Sequence[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """A few new tokens after each of B sequences' cached ones (ragged: each row its own count, positions
         and cache), in one pass whose products read the weights once.
 
         Returns logits [N, V] for all N new positions, row after row (``last_only``: [B, V], each row's last),
         and the hidden states [N, h] numbered as in :meth:`run`. Each query attends over its own row's cache
-        only, by the very call a one-token step makes (see :meth:`LeanLayer.rows`)."""
+        only, by the very call a one-token step makes (see :meth:`LeanLayer.rows`).
+
+        A tree row: ``positions[b]`` its tokens' rotary positions and ``visible[b]`` its mask, as for
+        :meth:`run_masked`; None (or the argument absent) for a chain row: consecutive positions, causal."""
         per_row = [[int(t)] if isinstance(t, int) else [int(x) for x in t] for t in tokens]
         counts = [len(r) for r in per_row]
         ids = torch.as_tensor([t for r in per_row for t in r], dtype=torch.long, device=self.device)
-        positions = [cache.length + i for cache, n in zip(caches, counts) for i in range(n)]
-        self.rope.get(max(positions), 1)  # make sure the table reaches the furthest row
-        at = torch.tensor(positions, device=self.device)
-        cos, sin = self.rope.cos[at], self.rope.signed_sin[at]
-        states: dict[int, torch.Tensor] = {}
-        top = len(self.layers)
-        with torch.inference_mode():
-            x = F.embedding(ids, self.embedding)
-            for i, layer in enumerate(self.layers):
-                if i in hidden:
-                    states[i] = x
-                x = layer.rows(x, cos, sin, [cache.layers[i] for cache in caches], counts)
-            x = self.norm(x)
-            if top in hidden:
-                states[top] = x
-            if last_only:
-                x = x[torch.tensor(counts, device=self.device).cumsum(0) - 1]
-            return (head or self.head)(x), states
+        masks = None if visible is None else [
+            None if m is None else _checked_visible(m, n, cache.length, self.device)
+            for m, n, cache in zip(visible, counts, caches)]
+        at = [list(range(cache.length, cache.length + n)) if positions is None or positions[b] is None
+              else [int(p) for p in positions[b]] for b, (cache, n) in enumerate(zip(caches, counts))]
+        cos, sin = self._rope_at([p for row in at for p in row], ids.shape[0])
+        x, states = self._stack(ids, hidden, lambda i, layer, x: layer.rows(
+            x, cos, sin, [cache.layers[i] for cache in caches], counts, masks))
+        if last_only:
+            x = x[torch.tensor(counts, device=self.device).cumsum(0) - 1]
+        return (head or self.head)(x), states
+
+
+def _checked_visible(visible: torch.Tensor, n: int, cached: int, device) -> torch.Tensor:
+    """``visible`` as a bool tensor on ``device``, if it has the shape [n, cached + n] a masked run needs."""
+    mask = torch.as_tensor(visible, device=device).bool()
+    if mask.shape != (n, cached + n):
+        raise ValueError(f"visible must be [T, cache length + T] = [{n}, {cached + n}], got {tuple(mask.shape)}")
+    return mask
 
 
 def lean_or_reason(model: torch.nn.Module, one_row_copies: bool = False) -> tuple[LeanLlama | None, str]:
