@@ -244,7 +244,7 @@ class FeatureHeadProposer(Proposer):
             return projection.product(new)
 
         return grow_tree(projection.product(out), run_level, seq.sampling, seq.rng, budget=self.tree, max_depth=k,
-                         width=self.tree_width, subset=projection.subset, vocab_size=self.vocab_size)
+                         width=self.tree_width, subset=projection.subset, vocab_size=self.vocab_size)[0]
 
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:
         st = self._state(seq)

@@ -106,7 +106,8 @@ class GrowingTree:
 
 
 def grow_tree(root_logits: torch.Tensor, run_level: RunLevel, sampling: SamplingParams, rng: torch.Generator, *,
-              budget: int, max_depth: int, width: int, subset: torch.Tensor | None, vocab_size: int) -> TreeProposal:
+              budget: int, max_depth: int, width: int, subset: torch.Tensor | None,
+              vocab_size: int) -> tuple[TreeProposal, list[int]]:
     """An EAGLE-2-style dynamic tree from a drafter's logits over S drafting tokens (``subset``: their ids;
     None: all V): level by level, the ``width`` nodes of highest cumulative draft probability are expanded,
     each with ``width`` children.
@@ -115,7 +116,9 @@ def grow_tree(root_logits: torch.Tensor, run_level: RunLevel, sampling: Sampling
     reranked: the ``budget`` nodes of highest cumulative probability stay (a node's parent always ranks above
     it). Sampling: the children are drawn from the drafter's q without replacement (``torch.multinomial``),
     q reported; nothing drawn is ever dropped, since a set pruned by the values drawn is no longer a draw from
-    q (exactness needs it): each sibling set's size is fixed before it is drawn (see :func:`_rooms`)."""
+    q (exactness needs it): each sibling set's size is fixed before it is drawn (see :func:`_rooms`).
+
+    Returns the tree and, for each of its nodes, its index in the :class:`GrowingTree` ``run_level`` saw."""
     greedy = sampling.greedy
     tree = GrowingTree()
     frontier, logits = [-1], root_logits.reshape(1, -1)
@@ -132,9 +135,12 @@ def grow_tree(root_logits: torch.Tensor, run_level: RunLevel, sampling: Sampling
     keep = range(tree.n) if not greedy else sorted(sorted(range(tree.n), key=lambda i: (-tree.scores[i], i))[:budget])
     index = {old: new for new, old in enumerate(keep)}
     device = root_logits.device
-    return TreeProposal(torch.tensor([tree.tokens[i] for i in keep], dtype=torch.long, device=device),
-                        torch.tensor([index.get(tree.parents[i], -1) for i in keep], dtype=torch.long, device=device),
-                        None if greedy else torch.stack([tree.q_rows[i] for i in keep]), without_replacement=not greedy)
+    proposal = TreeProposal(torch.tensor([tree.tokens[i] for i in keep], dtype=torch.long, device=device),
+                            torch.tensor([index.get(tree.parents[i], -1) for i in keep], dtype=torch.long,
+                                         device=device),
+                            None if greedy else torch.stack([tree.q_rows[i] for i in keep]),
+                            without_replacement=not greedy)
+    return proposal, list(keep)
 
 
 def _rooms(frontier: int, width: int, greedy: bool, left: int, levels: int) -> list[int]:
