@@ -17,7 +17,10 @@ CLIPPED = specplug.SamplingParams(temperature=0.7, top_k=3, top_p=0.8)
 
 
 def make(name, target, **options):
-    """The proposer ``name`` for the small target, random heads where it needs heads."""
+    """The proposer ``name`` for the small target, random heads where it needs heads (the small draft model is
+    found beside the small target)."""
+    if name == "draft-model":
+        options = {"model": str(target.path.parent / "draft"), **options}
     if name == "mtp":
         options = {"head": "random", "seed": 3, "num_heads": 3, "init_std": 0.3, **options}
     if name == "eagle":
@@ -42,7 +45,7 @@ def as_tree(proposal) -> TreeProposal:
     return proposal if isinstance(proposal, TreeProposal) else TreeProposal.chain(proposal)
 
 
-TREE_PROPOSERS = {"mtp": PROMPT, "suffix": BRANCHY}
+TREE_PROPOSERS = {"mtp": PROMPT, "suffix": BRANCHY, "eagle": PROMPT, "draft-model": PROMPT}
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED, CLIPPED], ids=["greedy", "t1", "clipped"])
@@ -85,8 +88,81 @@ def test_every_branch_is_honest_about_q(name, sampling, small_target):
     assert report.passed, report.evidence
 
 
-@pytest.mark.parametrize("name", ["mtp", "suffix"])
+@pytest.mark.parametrize("name", TREE_PROPOSERS)
 def test_a_bad_budget_is_an_error_naming_the_proposer(name, small_target):
     for bad in (-1, 2.5, "8"):
         with pytest.raises(ValueError, match=name):
             make(name, small_target, tree=bad)
+
+
+@pytest.mark.parametrize("name", ["eagle", "draft-model"])
+def test_sampled_children_are_declared_drawn_without_replacement_and_the_check_sees_otherwise(name, small_target):
+    proposer = make(name, small_target, tree=6, tree_width=3)  # k = 2: three siblings under the root each time
+
+    def draw(flip):
+        seeds = iter(range(10_000))
+
+        def one():
+            tree = first_proposal(proposer, small_target, PROMPT, SAMPLED, 2, next(seeds))
+            assert tree.q is not None and bool(tree.without_replacement.all())
+            if flip:  # the mutant: the same draws declared independent
+                tree.without_replacement = ~tree.without_replacement
+            return tree
+        return one
+
+    # the small draft's q is flat, so independent and without-replacement draws differ by little: many samples
+    assert check_tree_q_honesty(draw(False), small_target.vocab_size, samples=1000).passed
+    assert not check_tree_q_honesty(draw(True), small_target.vocab_size, samples=1000).passed
+
+
+def test_draft_model_tree_children_follow_the_draft_along_their_path(small_target):
+    """Each expanded node's first child is the draft's argmax after prompt + the node's path: the masked run
+    sees the node's ancestors and nothing else."""
+    tree = first_proposal(make("draft-model", small_target, tree=12, tree_width=3), small_target, PROMPT, GREEDY, 4)
+    chain = make("draft-model", small_target)
+    expanded = 0
+    for node in range(tree.n):
+        kids = (tree.parents == node).nonzero().flatten().tolist()
+        if kids:
+            path = tree.tokens[tree.path_to(node)].tolist()
+            assert first_proposal(chain, small_target, PROMPT + path, GREEDY, 1).tokens.tolist() == [
+                int(tree.tokens[kids[0]])]
+            expanded += 1
+    assert expanded >= 2
+
+
+def test_eagle_tree_of_width_one_is_the_greedy_chain(small_target):
+    chain = first_proposal(make("eagle", small_target), small_target, PROMPT, GREEDY, 4)
+    tree = first_proposal(make("eagle", small_target, tree=4, tree_width=1), small_target, PROMPT, GREEDY, 4)
+    assert tree.parents.tolist() == [-1, 0, 1, 2] and torch.equal(tree.tokens, chain.tokens)
+
+
+def test_eagle_tree_keeps_only_verified_entries(small_target):
+    proposer = make("eagle", small_target, tree=12, tree_width=3)
+    seq = fresh_seq(small_target, PROMPT, SAMPLED)
+    proposer.begin(seq)
+    proposer.propose(seq, 4)
+    assert seq.scratch["eagle"].cache.length == len(PROMPT) - 1
+
+
+def test_draft_model_cache_holds_the_accepted_path_after_observe(small_target):
+    from specplug.verifier import TreeVerdict
+
+    proposer = make("draft-model", small_target, tree=12, tree_width=3)
+    seq = fresh_seq(small_target, PROMPT, GREEDY)
+    proposer.begin(seq)
+    tree = proposer.propose(seq, 4)
+    path = tree.path_to(int(tree.depths().argmax()))
+    emitted = tree.tokens[path].tolist() + [0]
+    seq.ids += emitted
+    proposer.observe(seq, TreeVerdict(accepted=len(path), proposed=tree.n, tokens=emitted, path=path))
+    assert seq.scratch["draft-model"].length == len(seq.ids) - 1
+    # what it drafts next is what a fresh proposer drafts from the same sequence
+    fresh = first_proposal(make("draft-model", small_target, tree=12, tree_width=3), small_target, seq.ids, GREEDY, 3)
+    after = proposer.propose(seq, 3)
+    assert torch.equal(after.tokens, fresh.tokens) and torch.equal(after.parents, fresh.parents)
+
+
+def test_draft_model_tree_needs_the_lean_path(small_target):
+    with pytest.raises(ValueError, match="draft-model: tree="):
+        make("draft-model", small_target, tree=8, fast=False)
