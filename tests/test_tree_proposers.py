@@ -1,6 +1,8 @@
 """Proposers that draft trees (``tree=N``): each tree fits the node budget and depth <= k, every branch is honest
 about q, ``tree=0`` drafts exactly today's chain, and decoding with a tree stays exact (greedy: equal to
 target-only; temperature > 0: the enumerated harness)."""
+import importlib.util
+
 import pytest
 import torch
 
@@ -166,3 +168,71 @@ def test_draft_model_cache_holds_the_accepted_path_after_observe(small_target):
 def test_draft_model_tree_needs_the_lean_path(small_target):
     with pytest.raises(ValueError, match="draft-model: tree="):
         make("draft-model", small_target, tree=8, fast=False)
+
+
+# --- decoding with trees, through the engine ---------------------------------------------------------------
+
+from specplug import zoo  # noqa: E402
+from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution  # noqa: E402
+
+N_TOKENS = 3
+N_SAMPLES = 1500
+# the engine's tree steps (scoring, verifying and keeping a tree) arrive with the tree-engine branch
+engine_trees = pytest.mark.skipif(importlib.util.find_spec("specplug.tree_steps") is None,
+                                  reason="this engine does not verify trees yet")
+TEXT_PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+
+
+@engine_trees
+@pytest.mark.parametrize("name", TREE_PROPOSERS)
+def test_greedy_with_a_tree_equals_target_only_on_tiny_models(name, small_target, tiny_target):
+    for target, prompt in ((small_target, BRANCHY if name == "suffix" else PROMPT), (tiny_target, TEXT_PROMPT)):
+        base = specplug.generate(target, None, prompt, max_new_tokens=120, sampling=GREEDY)
+        for budget, gamma in ((4, 2), (12, 4)):
+            out = specplug.generate(target, make(name, target, tree=budget, tree_width=3)
+                                    if name in ("eagle", "draft-model") else make(name, target, tree=budget),
+                                    prompt, max_new_tokens=120, sampling=GREEDY, num_speculative_tokens=gamma,
+                                    strict=True)
+            assert out.tokens == base.tokens, (name, budget, gamma)
+            assert out.stats.draft_tokens > 0 and out.stats.fallback_steps == 0
+
+
+@engine_trees
+@pytest.mark.parametrize("sampling", [SAMPLED, CLIPPED], ids=["t1", "top-k-top-p"])
+@pytest.mark.parametrize("name", TREE_PROPOSERS)
+def test_sampling_with_a_tree_is_exact(name, sampling, small_target):
+    prompt = BRANCHY if name == "suffix" else PROMPT
+    options = {"tree": 6, "tree_width": 3} if name in ("eagle", "draft-model") else {"tree": 6}
+    expected = exact_distribution(small_target, prompt, N_TOKENS, sampling)
+    counts = sampled_distribution(small_target, make(name, small_target, **options), prompt, N_TOKENS, sampling,
+                                  N_SAMPLES)
+    assert chi_square_pvalue(counts, expected) > EXACTNESS_ALPHA
+
+
+def _zoo_target():
+    for name in ("pycode", zoo.DEFAULT_EAGLE["pycode"], zoo.DEFAULT_MTP["pycode"], zoo.DEFAULT_DRAFT["pycode"]):
+        if not (zoo.models_dir() / name / "model.safetensors").is_file():
+            pytest.skip(f"bundled {name} is absent from this checkout")
+    return specplug.Target.from_pretrained("zoo:pycode")
+
+
+ZOO_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\n\n\ndef list_files(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def is_prime(n: int) -> bool:\n",
+    "def read_json(path):\n    with open(path) as f:\n",
+]
+
+
+@engine_trees
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TREE_PROPOSERS)
+def test_greedy_with_a_tree_equals_target_only_on_the_zoo(name):
+    target = _zoo_target()
+    proposer = specplug.get_proposer(name, target=target, tree=16)
+    for prompt in ZOO_PROMPTS:
+        base = specplug.generate(target, None, prompt, max_new_tokens=200, sampling=GREEDY)
+        out = specplug.generate(target, proposer, prompt, max_new_tokens=200, sampling=GREEDY,
+                                num_speculative_tokens=4, strict=True)
+        assert out.tokens == base.tokens, (name, prompt)
