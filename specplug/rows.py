@@ -8,6 +8,11 @@ every row bit for bit as that row decoded alone would.
 
 :class:`PaddedRows` is the fallback for models the lean path does not cover: HF's own forward over one shared
 cache with per-row validity (:class:`BatchedCache`), padded and masked.
+
+A row's scored block is a chain ``[last, x1..xk]`` or a tree ``[last, node 0..n-1]`` (a
+:class:`~specplug.verifier.TreeProposal` given in ``trees``): its nodes sit at positions by depth and each
+sees the row's cache, the last token and its own ancestors only. ``keep`` then keeps the accepted path's
+entries (``kept``: block indices) in place of a prefix.
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import torch
 from .hf_compat import cache_kwargs, output_cache
 from .lean_llama import LeanCache, LeanLlama
 
-__all__ = ["RowScores", "TargetRows", "LeanRows", "PaddedRows", "BatchedCache", "BatchCacheView", "feature_layer"]
+__all__ = ["RowScores", "TargetRows", "LeanRows", "PaddedRows", "BatchedCache", "BatchCacheView", "feature_layer",
+           "tree_visibility"]
 
 # compact when holes exceed this share of the slots (and at least MIN_HOLES_TO_COMPACT slots per row)
 COMPACT_HOLE_SHARE = 0.25
@@ -36,6 +42,15 @@ def feature_layer(name: str, num_layers: int) -> int:
         if -num_layers - 1 <= i <= num_layers:
             return i % (num_layers + 1)
     raise ValueError(f"unknown target feature {name!r}; known: 'last', 'layer:N' (0 <= N <= {num_layers})")
+
+
+def tree_visibility(tree, cached: int, device=None) -> torch.Tensor:
+    """[n+1, cached + n+1] bool: what each entry of a tree's scored block [last, nodes] sees, the row's
+    ``cached`` entries (all visible) then the block (``tree.attention_mask()``: ancestors only)."""
+    block = tree.attention_mask()
+    prefix = torch.ones(block.shape[0], cached, dtype=torch.bool, device=block.device)
+    out = torch.cat([prefix, block], dim=1)
+    return out if device is None else out.to(device)
 
 
 @dataclass
@@ -67,12 +82,15 @@ class TargetRows:
         positions (None for a one-token prompt or when none are asked for)."""
         raise NotImplementedError
 
-    def score(self, fed: Sequence[Sequence[int]], features: Sequence[str] = ()) -> RowScores:
-        """Run ``fed[b]`` (1 or more tokens) after row b's cached ones, for every row, and cache them."""
+    def score(self, fed: Sequence[Sequence[int]], features: Sequence[str] = (), trees: Sequence | None = None) -> RowScores:
+        """Run ``fed[b]`` (1 or more tokens) after row b's cached ones, for every row, and cache them.
+        ``trees[b]`` (a TreeProposal, or None for a chain): ``fed[b]`` is ``[last] + tree.tokens``, scored as a tree."""
         raise NotImplementedError
 
-    def keep(self, lengths: Sequence[int]) -> None:
-        """Row b keeps its first ``lengths[b]`` cached tokens (the rollback after a verification)."""
+    def keep(self, lengths: Sequence[int], kept: Sequence[Sequence[int] | None] | None = None) -> None:
+        """Row b keeps its first ``lengths[b]`` cached tokens (the rollback after a verification); where
+        ``kept[b]`` is given (a tree row), it keeps those entries of its last scored block instead, moved into
+        place after its earlier ones (``lengths[b]`` is then what the row holds after)."""
         raise NotImplementedError
 
     def select(self, rows: Sequence[int]) -> None:
@@ -110,14 +128,24 @@ class LeanRows(TargetRows):
             out.append(found)
         return out
 
-    def score(self, fed, features=()):
+    def score(self, fed, features=(), trees=None):
         layers = self._layers(features)
-        logits, hidden = self.lean.run_rows(self.caches, fed, hidden=tuple(layers.values()))
+        self._starts = [cache.length for cache in self.caches]
+        positions = visible = None
+        if trees is not None and any(t is not None for t in trees):
+            positions = [None if t is None else t.positions(s) for t, s in zip(trees, self._starts)]
+            visible = [None if t is None else tree_visibility(t, s) for t, s in zip(trees, self._starts)]
+        logits, hidden = self.lean.run_rows(self.caches, fed, hidden=tuple(layers.values()), positions=positions,
+                                            visible=visible)
         return RowScores(logits, [len(f) for f in fed], {name: hidden[i] for name, i in layers.items()})
 
-    def keep(self, lengths):
-        for cache, n in zip(self.caches, lengths):
-            cache.crop(int(n))
+    def keep(self, lengths, kept=None):
+        for b, (cache, n) in enumerate(zip(self.caches, lengths)):
+            if kept is None or kept[b] is None:
+                cache.crop(int(n))
+            else:
+                start = self._starts[b]
+                cache.keep_entries(start, [start + i for i in kept[b]])
 
     def select(self, rows):
         self.caches = [self.caches[j] for j in rows]
@@ -156,7 +184,7 @@ class PaddedRows(TargetRows):
         self.batch = _concat(self.batch, fresh) if len(self) else fresh
         return found
 
-    def score(self, fed, features=()):
+    def score(self, fed, features=(), trees=None):
         counts = [len(f) for f in fed]
         B, width = len(fed), max(counts)
         ids = torch.zeros(B, width, dtype=torch.long, device=self.device)
@@ -164,14 +192,24 @@ class PaddedRows(TargetRows):
             ids[j, : len(f)] = torch.as_tensor(list(f), dtype=torch.long, device=self.device)
         valid = torch.arange(width, device=self.device).unsqueeze(0) < torch.tensor(counts, device=self.device)[:, None]
         self._before = self.batch.lengths.clone()
-        out = self.batch.forward(ids, valid, output_hidden_states=bool(features))
+        block = offsets = None
+        if trees is not None and any(t is not None for t in trees):
+            block, offsets = _blocks(trees, counts, width, self.device)
+        out = self.batch.forward(ids, valid, output_hidden_states=bool(features), block=block, offsets=offsets)
         top = self.model.config.num_hidden_layers
         return RowScores(out.logits[valid], counts,
                          {name: out.hidden_states[feature_layer(name, top)][valid] for name in features})
 
-    def keep(self, lengths):
+    def keep(self, lengths, kept=None):
         lengths = torch.as_tensor(list(lengths), dtype=torch.long, device=self.device)
-        self.batch.commit(lengths - self._before)
+        keep = lengths - self._before
+        n = self.batch.pending
+        slots = torch.arange(n, device=self.device).unsqueeze(0) < keep.unsqueeze(1)
+        for b, rows in enumerate(kept or ()):
+            if rows is not None:  # a tree row: its path's slots stay, its siblings' become holes
+                slots[b] = False
+                slots[b, torch.as_tensor(list(rows), dtype=torch.long, device=self.device)] = True
+        self.batch.commit_slots(slots)
         self.batch.maybe_compact()
 
     def select(self, rows):
@@ -214,25 +252,38 @@ class BatchedCache:
     def batch_size(self) -> int:
         return self.valid.shape[0]
 
+    @property
+    def pending(self) -> int:
+        """Slots the last forward appended, provisional until :meth:`commit`."""
+        return self._pending
+
     def forward(self, input_ids: torch.Tensor, input_valid: torch.Tensor, output_hidden_states: bool = False,
-                logits_to_keep: int = 0):
+                logits_to_keep: int = 0, block: torch.Tensor | None = None, offsets: torch.Tensor | None = None):
         """Append ``input_ids`` [B, n] (``input_valid`` marks real tokens; pads only after a row's real ones).
 
-        Returns the model output. The new slots are provisional until :meth:`commit`.
+        ``block`` [B, n, n] bool (with ``offsets`` [B, n], positions after each row's length): which new slot each
+        new query sees, e.g. a tree's ancestors; causal when None. Returns the model output. The new slots are
+        provisional until :meth:`commit`.
         """
         B, n = input_ids.shape
-        positions = self.lengths.unsqueeze(1) + torch.arange(n, device=self.device).unsqueeze(0)
+        if offsets is None:
+            offsets = torch.arange(n, device=self.device).unsqueeze(0)
+        positions = self.lengths.unsqueeze(1) + offsets
         if self.max_positions is not None:
             positions = positions.clamp(max=self.max_positions - 1)  # only pads can exceed it
-        attention = torch.cat([self.valid, input_valid], dim=1)
-        # a query with no visible key at all (a row with nothing cached and only padding in this forward)
-        # would give NaNs: let such a row's first new slot see itself. Nothing valid ever attends to it.
-        blind = ~attention.any(dim=1)
-        if bool(blind.any()):
-            attention = attention.clone()
-            attention[blind, self.slots] = True
+        if block is not None:
+            attention = self._mask_4d(block)
+        else:
+            attention = torch.cat([self.valid, input_valid], dim=1)
+            # a query with no visible key at all (a row with nothing cached and only padding in this forward)
+            # would give NaNs: let such a row's first new slot see itself. Nothing valid ever attends to it.
+            blind = ~attention.any(dim=1)
+            if bool(blind.any()):
+                attention = attention.clone()
+                attention[blind, self.slots] = True
+            attention = attention.long()
         with torch.inference_mode():
-            out = self.model(input_ids=input_ids, attention_mask=attention.long(), position_ids=positions,
+            out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions,
                              **cache_kwargs(self.cache), use_cache=True, output_hidden_states=output_hidden_states,
                              logits_to_keep=logits_to_keep)
         if B > 1 and any(getattr(layer, "is_sliding", False) for layer in output_cache(out).layers):
@@ -245,14 +296,28 @@ class BatchedCache:
         self._pending = n
         return out
 
+    def _mask_4d(self, block: torch.Tensor) -> torch.Tensor:
+        """HF's custom-mask form [B, 1, n, slots + n]: 0 where a query sees a key, the dtype's minimum elsewhere
+        (transformers passes a 4-D mask on as it is; an additive float mask means the same to eager and SDPA)."""
+        B, n, _ = block.shape
+        sees = torch.cat([self.valid.unsqueeze(1).expand(B, n, self.slots), block], dim=-1)
+        dtype = self.model.get_input_embeddings().weight.dtype
+        mask = torch.zeros(B, 1, n, self.slots + n, dtype=dtype, device=self.device)
+        return mask.masked_fill(~sees.unsqueeze(1), torch.finfo(dtype).min)
+
     def commit(self, keep: torch.Tensor) -> None:
         """Row b keeps the first ``keep[b]`` of the slots the last forward appended; the rest become holes."""
+        self.commit_slots(torch.arange(self._pending, device=self.device).unsqueeze(0) < keep.unsqueeze(1))
+
+    def commit_slots(self, kept: torch.Tensor) -> None:
+        """Row b keeps the slots ``kept[b]`` [n] bool marks of those the last forward appended (a tree row: its
+        accepted path, in slot order); the rest become holes."""
         n = self._pending
         start = self.slots - n
-        kept = torch.arange(n, device=self.device).unsqueeze(0) < keep.unsqueeze(1)
         self.valid[:, start:] &= kept
-        self.lengths += keep
-        trim = n - int(keep.max()) if keep.numel() else n
+        self.lengths += kept.sum(1)
+        used = kept.any(0).nonzero()
+        trim = n - (int(used[-1]) + 1 if used.numel() else 0)
         if trim > 0:
             self._crop(trim)
         self._pending = 0
@@ -346,6 +411,21 @@ def _concat(a: BatchedCache, b: BatchedCache) -> BatchedCache:
         ref.keys, ref.values = torch.cat(keys, dim=0), torch.cat(values, dim=0)
     out.cache = a.cache if _layers(a.cache) else b.cache
     return out
+
+
+def _blocks(trees: Sequence, counts: list[int], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a padded pass, which new slot each new query sees [B, width, width] and its position offset
+    [B, width]: a chain row causal, a tree row by ancestry and depth; a pad sees only itself (no NaN rows)."""
+    B = len(counts)
+    block = torch.eye(width, dtype=torch.bool, device=device).repeat(B, 1, 1)
+    offsets = torch.arange(width, device=device).repeat(B, 1)
+    for b, (tree, n) in enumerate(zip(trees, counts)):
+        if tree is None:
+            block[b, :n, :n] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        else:
+            block[b, :n, :n] = tree.attention_mask().to(device)
+            offsets[b, :n] = tree.positions(0).to(device)
+    return block, offsets
 
 
 def _layers(cache) -> list:
