@@ -3,8 +3,9 @@ candidates, and dynamic trees grown from a drafter run level by level.
 
 A proposer with ``tree=N`` (N > 0) may return a :class:`~specplug.verifier.TreeProposal` of at most N nodes and
 depth at most k; ``tree=0`` keeps its chain. :func:`best_first` builds a tree of deterministic candidates: it
-adds nodes in order of their path probability (the product of the candidates' probabilities root to node), so
-a node always follows its parent and its higher-ranked siblings, and stops at the budget. Every node is a
+adds the chain of first choices, then nodes in order of their path probability (the product of the
+candidates' probabilities root to node), so a node always follows its parent and its higher-ranked siblings,
+and stops at the budget. Every node is a
 deterministic function of the context, so the tree is a point-mass proposal (q=None), exact at any temperature.
 :func:`grow_tree` grows an EAGLE-2-style tree from a drafter that conditions on the path (a head, a draft
 model), through a masked run per level whose mask :func:`visible_rows` builds.
@@ -43,29 +44,32 @@ def tree_width_checked(width: object, who: str) -> int:
 def best_first(children: Children, root, budget: int, max_depth: int, min_prob: float = 0.0
                ) -> tuple[list[int], list[int], list[float]]:
     """(tokens, parents, path probabilities) of the ``budget`` most probable nodes up to ``max_depth``, each at
-    least ``min_prob``: topological order, siblings in the order ``children`` gives them (ties keep it)."""
+    least ``min_prob``, after the spine (the first child of the root, of that child, ...: the chain the
+    candidates' first choices make, so a tree accepts at least what that chain would): topological order,
+    siblings in the order ``children`` gives them (ties keep it)."""
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
     heap: list = []
     order = 0  # ties: first pushed, first popped (siblings keep their order)
 
-    def push(parent: int, depth: int, score: float, state) -> None:
+    def push(parent: int, depth: int, score: float, state, spine: bool) -> None:
         nonlocal order
         if depth >= max_depth:
             return
-        for token, prob, child in children(state):
+        for rank, (token, prob, child) in enumerate(children(state)):
             if score * prob > 0 and score * prob >= min_prob:
-                heapq.heappush(heap, (-score * prob, order, int(token), parent, depth + 1, child))
+                first = spine and rank == 0
+                heapq.heappush(heap, (not first, -score * prob, order, int(token), parent, depth + 1, child))
                 order += 1
 
-    push(-1, 0, 1.0, root)
+    push(-1, 0, 1.0, root, True)
     while heap and len(tokens) < budget:
-        neg, _, token, parent, depth, state = heapq.heappop(heap)
+        later, neg, _, token, parent, depth, state = heapq.heappop(heap)
         tokens.append(token)
         parents.append(parent)
         scores.append(-neg)
-        push(len(tokens) - 1, depth, -neg, state)
+        push(len(tokens) - 1, depth, -neg, state, not later)
     return tokens, parents, scores
 
 
@@ -91,6 +95,12 @@ class GrowingTree:
     depths: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     q_rows: list[torch.Tensor] = field(default_factory=list)
+    spine: set[int] = field(default_factory=set)  # the first child of the root, of that child, ...: the chain
+
+    def rank(self, node: int) -> tuple:
+        """Sort key, best first: the spine (greedy: the chain the drafter would draft), then by cumulative
+        probability, then first drafted (a node always ranks below its parent)."""
+        return node not in self.spine, -self.scores[node], node
 
     @property
     def n(self) -> int:
@@ -113,8 +123,10 @@ def grow_tree(root_logits: torch.Tensor, run_level: RunLevel, sampling: Sampling
     each with ``width`` children.
 
     Greedy: the children are the drafter's top tokens (point masses), the tree is grown to full depth and then
-    reranked: the ``budget`` nodes of highest cumulative probability stay (a node's parent always ranks above
-    it). Sampling: the children are drawn from the drafter's q without replacement (``torch.multinomial``),
+    reranked: the chain the drafter would draft (its spine: first children) and then the nodes of highest
+    cumulative probability stay, ``budget`` in all (a node's parent always ranks above it). The spine first,
+    because a head's probabilities are no calibrated ranking: with it, a tree accepts at least what its chain
+    would. Sampling: the children are drawn from the drafter's q without replacement (``torch.multinomial``),
     q reported; nothing drawn is ever dropped, since a set pruned by the values drawn is no longer a draw from
     q (exactness needs it): each sibling set's size is fixed before it is drawn (see :func:`_rooms`).
 
@@ -130,9 +142,9 @@ def grow_tree(root_logits: torch.Tensor, run_level: RunLevel, sampling: Sampling
             drawn += _children(tree, probs[row], parent, depth, room, greedy, rng, subset, vocab_size)
         if depth == max_depth or not drawn or (not greedy and tree.n >= budget):
             break
-        frontier = sorted(drawn, key=lambda i: (-tree.scores[i], i))[:width]
+        frontier = sorted(drawn, key=tree.rank)[:width]
         logits = run_level(tree, frontier)
-    keep = range(tree.n) if not greedy else sorted(sorted(range(tree.n), key=lambda i: (-tree.scores[i], i))[:budget])
+    keep = range(tree.n) if not greedy else sorted(sorted(range(tree.n), key=tree.rank)[:budget])
     index = {old: new for new, old in enumerate(keep)}
     device = root_logits.device
     proposal = TreeProposal(torch.tensor([tree.tokens[i] for i in keep], dtype=torch.long, device=device),
@@ -167,6 +179,8 @@ def _children(tree: GrowingTree, probs: torch.Tensor, parent: int, depth: int, r
     q_row = None if greedy else full_q(probs, subset, vocab_size)
     ids = picked if subset is None else subset[picked]
     base = 1.0 if parent < 0 else tree.scores[parent]
+    if parent < 0 or parent in tree.spine:
+        tree.spine.add(tree.n)
     added = []
     for token, p in zip(ids.tolist(), probs[picked].tolist()):
         added.append(tree.n)

@@ -158,7 +158,8 @@ def test_draft_model_cache_holds_the_accepted_path_after_observe(small_target):
     emitted = tree.tokens[path].tolist() + [0]
     seq.ids += emitted
     proposer.observe(seq, TreeVerdict(accepted=len(path), proposed=tree.n, tokens=emitted, path=path))
-    assert seq.scratch["draft-model"].length == len(seq.ids) - 1
+    # the path's entries are kept (a leaf at full depth was never run, as a chain's last draft is never fed)
+    assert len(PROMPT) + len(path) - 1 <= seq.scratch["draft-model"].length <= len(seq.ids) - 1
     # what it drafts next is what a fresh proposer drafts from the same sequence
     fresh = first_proposal(make("draft-model", small_target, tree=12, tree_width=3), small_target, seq.ids, GREEDY, 3)
     after = proposer.propose(seq, 3)
@@ -236,3 +237,22 @@ def test_greedy_with_a_tree_equals_target_only_on_the_zoo(name):
         out = specplug.generate(target, proposer, prompt, max_new_tokens=200, sampling=GREEDY,
                                 num_speculative_tokens=4, strict=True)
         assert out.tokens == base.tokens, (name, prompt)
+
+
+@engine_trees
+def test_the_harness_fails_a_tree_whose_sampled_siblings_are_declared_independent(small_target, monkeypatch):
+    """Power: the same draws without replacement, declared independent, move the output law."""
+    import specplug.feature_heads as feature_heads
+
+    grow = feature_heads.grow_tree
+
+    def declared_independent(*args, **kwargs):
+        tree, kept = grow(*args, **kwargs)
+        tree.without_replacement = torch.zeros_like(tree.without_replacement)
+        return tree, kept
+
+    monkeypatch.setattr(feature_heads, "grow_tree", declared_independent)
+    expected = exact_distribution(small_target, PROMPT, N_TOKENS, SAMPLED)
+    counts = sampled_distribution(small_target, make("eagle", small_target, tree=6, tree_width=3), PROMPT, N_TOKENS,
+                                  SAMPLED, N_SAMPLES)
+    assert chi_square_pvalue(counts, expected) < EXACTNESS_ALPHA
