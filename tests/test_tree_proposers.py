@@ -228,10 +228,11 @@ ZOO_PROMPTS = [
 
 @engine_trees
 @pytest.mark.slow
+@pytest.mark.parametrize("budget", [8, 16])
 @pytest.mark.parametrize("name", TREE_PROPOSERS)
-def test_greedy_with_a_tree_equals_target_only_on_the_zoo(name):
+def test_greedy_with_a_tree_equals_target_only_on_the_zoo(name, budget):
     target = _zoo_target()
-    proposer = specplug.get_proposer(name, target=target, tree=16)
+    proposer = specplug.get_proposer(name, target=target, tree=budget)
     for prompt in ZOO_PROMPTS:
         base = specplug.generate(target, None, prompt, max_new_tokens=200, sampling=GREEDY)
         out = specplug.generate(target, proposer, prompt, max_new_tokens=200, sampling=GREEDY,
