@@ -24,7 +24,9 @@ from specplug.plugins.hookspecs import hookimpl
 from specplug.lean_llama import LeanCache, Product, lean_or_reason
 from specplug.sampling import draw, multinomial
 from specplug.target import KVState, Target, load_causal_lm, load_tokenizer
+from specplug.tree_drafting import GrowingTree, grow_tree, tree_budget, tree_width_checked, visible_rows
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
+from specplug.verifier import TreeProposal
 
 
 class DraftModelProposer(Proposer):
@@ -35,7 +37,8 @@ class DraftModelProposer(Proposer):
                  device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                  trust_remote_code: bool = False, fast: bool = True,
                  vocab: int | Sequence[int] | str | None = None, stop_below: float | str | None = None,
-                 weights: str | None = None, sampled_vocab: int | Sequence[int] | str | None = None):
+                 weights: str | None = None, sampled_vocab: int | Sequence[int] | str | None = None,
+                 tree: int = 0, tree_width: int = 4):
         """``vocab``: draft only among these token ids (a list), or among the ``vocab`` most frequent ones (an
         int: the draft's directory or else the target's must hold ``frequent_tokens.json``, as the bundled
         target's does; ``specplug train token-ranks`` writes one), or over the whole vocabulary (``"all"``). None (the default) takes the
@@ -54,7 +57,13 @@ class DraftModelProposer(Proposer):
         ``weights``: ``"loaded"`` multiplies by the weights as loaded (``dtype``); ``"int8"`` by weight-only int8
         copies of every product (see :mod:`specplug.int8_products`; needs the lean path, ``fast=True``). None
         (the default): int8 where the lean path runs, torch has the kernel for the device and int8 drafts faster
-        on this machine (timed once, :func:`specplug.drafting_products.drafting_weights`), else loaded."""
+        on this machine (timed once, :func:`specplug.drafting_products.drafting_weights`), else loaded.
+
+        ``tree``: a node budget: draft a dynamic tree of at most this many nodes by top-k expansion, ``tree_width``
+        children per expanded node and nodes expanded per level, each level one masked lean run (see
+        :meth:`propose_tree`; needs the lean path; ``stop_below`` does not apply); 0 drafts the chain."""
+        self.tree = tree_budget(tree, "draft-model")
+        self.tree_width = tree_width_checked(tree_width, "draft-model")
         if weights is not None and weights not in ("loaded", "int8"):
             raise ValueError(f"draft-model: weights must be 'loaded' or 'int8', got {weights!r}")
         if target is None:
@@ -79,6 +88,9 @@ class DraftModelProposer(Proposer):
         # one-row copies: drafting is one row a step, and the draft's small matrices multiply one row fastest
         # column-major (see lean_llama.Product)
         self.lean, self.lean_note = lean_or_reason(lm, one_row_copies=True) if fast else (None, "fast=False")
+        if self.tree and self.lean is None:
+            raise ValueError(f"draft-model: tree= drafts through the lean path's masked runs, which this draft "
+                             f"cannot take ({self.lean_note})")
         ranks, ranks_file = read_ranks(None if isinstance(model, torch.nn.Module) else model, target.path)
         self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, "draft-model")
         self.sampled_subset = vocab_subset(sampled_or_greedy(sampled_vocab, (ranks or {}).get("sampled_vocab"), vocab),
@@ -134,6 +146,7 @@ class DraftModelProposer(Proposer):
         if state is None:
             state = seq.scratch[self.name] = self._new_state()
         confirmed = seq.scratch.get(f"{self.name}:confirmed", 0)
+        seq.scratch.pop(f"{self.name}:tree", None)  # a tree drafted by a propose no observe followed
         if state.length > confirmed:
             self._crop(state, confirmed)
         return state
@@ -171,7 +184,7 @@ class DraftModelProposer(Proposer):
         seq.scratch[self.name] = self._new_state()
         self._confirm(seq, seq.scratch[self.name])
 
-    def propose(self, seq: SequenceState, k: int) -> Proposal:
+    def propose(self, seq: SequenceState, k: int) -> Proposal | TreeProposal:
         limit = self.draft.max_positions
         if limit is not None:
             k = min(k, limit - len(seq.ids))
@@ -182,6 +195,8 @@ class DraftModelProposer(Proposer):
         # the cache covers a prefix of seq.ids; feed what it lacks (the prompt at first, then 1-2 tokens)
         logits = self._next_logits(state, seq.ids[state.length:], projection)
         self._confirm(seq, state)
+        if self.tree:
+            return self.propose_tree(seq, k, state, logits, projection)
         tokens, q_rows = [], []
         for i in range(k):
             token, q, go_on = self._draw(logits, seq, projection)
@@ -195,11 +210,30 @@ class DraftModelProposer(Proposer):
         device = seq.target.device
         return Proposal(torch.tensor(tokens, device=device), torch.stack(q_rows).to(device) if q_rows else None)
 
+    def propose_tree(self, seq: SequenceState, k: int, state: LeanCache, logits: torch.Tensor,
+                     projection: Projection) -> TreeProposal:
+        """A dynamic tree (:func:`specplug.tree_drafting.grow_tree`) from the draft's ``logits`` after the newest
+        token: each level's expanded nodes run in one masked lean pass (a node at depth d at position
+        n - 1 + d, seeing the cached sequence and its ancestors). Their entries stay in the cache until
+        ``observe`` keeps the accepted path's (:meth:`LeanCache.keep_entries`)."""
+        n, entry = state.length, {}
+
+        def run_level(tree: GrowingTree, nodes: list[int]) -> torch.Tensor:
+            visible = visible_rows(tree, nodes, entry, n, state.length)
+            return self.lean.run_masked(state, [tree.tokens[i] for i in nodes],
+                                        [n - 1 + tree.depths[i] for i in nodes], visible, head=projection.product)[0]
+
+        tree, grown = grow_tree(logits, run_level, seq.sampling, seq.rng, budget=self.tree, max_depth=k,
+                                width=self.tree_width, subset=projection.subset, vocab_size=self.vocab_size)
+        # cache entries of the returned nodes that were run (expanded), for observe
+        seq.scratch[f"{self.name}:tree"] = (n, {new: entry[old] for new, old in enumerate(grown) if old in entry})
+        return tree.to(seq.target.device)
+
     def propose_batch(self, seqs: list[SequenceState], ks: list[int]) -> list[Proposal]:
         """Draft for several sequences at once: each drafting step is one lean pass over all rows still
         drafting (the draft's weights are read once, not once per row). Each row is drawn with its own rng,
-        exactly as :meth:`propose` would draw it."""
-        if self.lean is None:
+        exactly as :meth:`propose` would draw it. (Trees: one row after another.)"""
+        if self.lean is None or self.tree:
             return [self.propose(seq, k) for seq, k in zip(seqs, ks)]
         limit = self.draft.max_positions
         ks = [min(k, limit - len(seq.ids)) if limit is not None else k for seq, k in zip(seqs, ks)]
@@ -260,6 +294,10 @@ class DraftModelProposer(Proposer):
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:
         # keep only what matches the accepted sequence: everything but its newest token at most
         state = seq.scratch[self.name]
+        drafted = seq.scratch.pop(f"{self.name}:tree", None)
+        if drafted is not None:  # a tree's entries: keep the accepted path's, in order, after the sequence
+            start, entry = drafted
+            state.keep_entries(start, [entry[i] for i in getattr(verdict, "path", []) if i in entry])
         keep = min(state.length, len(seq.ids) - 1)
         if keep < state.length:
             self._crop(state, keep)
@@ -268,6 +306,7 @@ class DraftModelProposer(Proposer):
     def end(self, seq: SequenceState) -> None:
         seq.scratch.pop(self.name, None)
         seq.scratch.pop(f"{self.name}:confirmed", None)
+        seq.scratch.pop(f"{self.name}:tree", None)
 
     def memory_bytes(self) -> int:
         layers = 0 if self.lean is None else sum(p.nbytes() for layer in self.lean.layers for p in layer.products())

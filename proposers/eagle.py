@@ -31,6 +31,7 @@ from specplug.feature_heads import (KVCache, FeatureHeadProposer, attention_mask
 from specplug.hf_compat import cache_kwargs
 from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
+from specplug.tree_drafting import tree_budget, tree_width_checked
 from specplug.types import SequenceState
 
 KIND = "eagle"
@@ -79,7 +80,8 @@ class EagleProposer(FeatureHeadProposer):
     def __init__(self, target=None, head: str | os.PathLike | EagleHead | None = None, seed: int = 0,
                  init_std: float = 0.02, prompt_features: bool = True,
                  vocab: int | Sequence[int] | str | None = None, weights: str | None = None,
-                 stop_below: float | str | None = None, sampled_vocab: int | Sequence[int] | str | None = None):
+                 stop_below: float | str | None = None, sampled_vocab: int | Sequence[int] | str | None = None,
+                 tree: int = 0, tree_width: int = 4):
         """``head``: a head directory, a ``zoo:`` head name, an :class:`EagleHead`, or ``"random"`` (a
         randomly initialised head, for tests; ``seed``/``init_std`` set it). Default: the head bundled for a
         zoo target or found beside a local target directory (``<target>-eagle``).
@@ -101,9 +103,14 @@ class EagleProposer(FeatureHeadProposer):
         :func:`specplug.drafting_products.drafting_weights`; the head's ``drafting.weights`` recommendation, measured
         on another machine, is where the probe starts), else the recommendation if not int8, else ``"target"``.
         ``stop_below``: end a draft after a token the head gives less than this probability (see
-        :mod:`specplug.draft_stop`). None: the head's recommendation (``drafting.stop_below``), else off."""
+        :mod:`specplug.draft_stop`). None: the head's recommendation (``drafting.stop_below``), else off.
+        ``tree``: a node budget: draft an EAGLE-2-style dynamic tree of at most this many nodes, ``tree_width``
+        children per expanded node and nodes expanded per level (see
+        :func:`specplug.tree_drafting.grow_tree`; ``stop_below`` does not apply); 0 drafts the chain."""
         if target is None:
             raise TypeError("eagle needs target= (the Target whose features it reads)")
+        self.tree = tree_budget(tree, KIND)
+        self.tree_width = tree_width_checked(tree_width, KIND)
         self.target = target
         self.prompt_features = bool(prompt_features)
         self.head_path = None
@@ -189,6 +196,12 @@ class EagleProposer(FeatureHeadProposer):
         x = self.fc(torch.cat([embeds, features], dim=-1))
         cos, sin = self.rope.get(start, x.shape[0])
         return self.lean_layer(x, cos, sin, cache, keep=1)[-1]
+
+    def _tree_step(self, outs, embeds, positions, cache, visible):
+        x = self.fc(torch.cat([embeds, outs], dim=-1))
+        at = torch.tensor(positions, device=x.device)
+        self.rope.get(int(at.max()), 1)  # make sure the table reaches the deepest node
+        return self.lean_layer(x, self.rope.cos[at], self.rope.signed_sin[at], cache, visible=visible)
 
     def memory_bytes(self) -> int:
         products = [*self.lean_layer.products(), self.fc]

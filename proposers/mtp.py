@@ -37,7 +37,9 @@ from specplug.drafting_products import drafting_weights, linear_shapes
 from specplug.lean_llama import Product
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import processed_probs, sample_rows
+from specplug.tree_drafting import best_first, point_mass_tree, tree_budget
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
+from specplug.verifier import TreeProposal
 
 KIND = "mtp"
 
@@ -133,7 +135,8 @@ class MTPProposer(Proposer):
     def __init__(self, target=None, head: str | os.PathLike | MTPHeads | None = None, num_heads: int = 3,
                  num_layers: int = 1, share_lm_head: bool = False, seed: int = 0, init_std: float = 0.1,
                  prompt_features: bool = True, vocab: int | Sequence[int] | str | None = None,
-                 sampled_vocab: int | Sequence[int] | str | None = None, weights: str | None = None):
+                 sampled_vocab: int | Sequence[int] | str | None = None, weights: str | None = None,
+                 tree: int = 0):
         """``head``: a heads directory, a ``zoo:`` name, an :class:`MTPHeads`, or ``"random"`` (random blocks
         with ``num_heads``/``num_layers``/``share_lm_head``, seeded; for tests). Default: the heads bundled
         for a zoo target or found beside a local target directory (``<target>-mtp``).
@@ -143,9 +146,12 @@ class MTPProposer(Proposer):
         ``weights``: ``"int8"`` (int8 copies of every drafting product) or ``"loaded"`` (the weights as loaded,
         the target's LM head as it multiplies). None: int8 where torch has the kernel for the device and int8
         drafts faster on this machine (timed once, :func:`specplug.drafting_products.drafting_weights`; the heads'
-        ``drafting.weights`` recommendation is where the probe starts), else loaded."""
+        ``drafting.weights`` recommendation is where the probe starts), else loaded.
+        ``tree``: a node budget: draft a Medusa-style tree of at most this many nodes (head i's top candidates
+        at depth i + 1, see :meth:`propose_tree`); 0 drafts the chain."""
         if target is None:
             raise TypeError("mtp needs target= (the Target whose features it reads)")
+        self.tree = tree_budget(tree, KIND)
         self.target = target
         self.prompt_features = bool(prompt_features)
         self.head_path = None
@@ -223,29 +229,53 @@ class MTPProposer(Proposer):
             st.feature, st.at = heads.prefix_features(seq.target, seq.ids[: n - 1])[-1], n - 2
         seq.scratch[self.name] = st
 
-    def propose(self, seq: SequenceState, k: int) -> Proposal:
-        device = seq.target.device
+    def propose(self, seq: SequenceState, k: int) -> Proposal | TreeProposal:
         st = seq.scratch.get(self.name)
         k = min(k, self.heads.num_heads)
         # head i reads f[t], t = the position before the newest token, and predicts the token at t+2+i
         if st is None or st.feature is None or st.at != len(seq.ids) - 2 or k <= 0:
-            return Proposal.empty(device)
-        projections = self.greedy_projections if seq.sampling.greedy else self.sampled_projections
+            return Proposal.empty(seq.target.device)
+        if self.tree:
+            return self.propose_tree(seq, k)
         with torch.inference_mode():
-            hidden = torch.stack([self._hidden(st.feature, i) for i in range(k)])  # [k, h]
-            if all(p is projections[0] for p in projections[:k]):  # shared LM head: one product for all heads
-                logits = projections[0].product(hidden)
-            else:
-                logits = torch.stack([projections[i].product(hidden[i]) for i in range(k)])
-            subset = projections[0].subset
+            logits, subset = self._logits(st.feature, k, seq)
             if seq.sampling.greedy:  # q is the point mass at each argmax: no dense q to carry
                 best = logits.float().argmax(-1)
-                return Proposal((best if subset is None else subset[best]).to(device), None)
+                return Proposal((best if subset is None else subset[best]).to(seq.target.device), None)
             q = processed_probs(logits, seq.sampling)  # [k, V] or [k, |subset|]: what the tokens are drawn from
             drawn = sample_rows(q, seq.rng)
             tokens = drawn if subset is None else subset[drawn]
             q = full_q(q, subset, self.vocab_size)  # zero outside the subset
-        return Proposal(tokens.to(device), q.to(device))
+        return Proposal(tokens.to(seq.target.device), q.to(seq.target.device))
+
+    def propose_tree(self, seq: SequenceState, k: int) -> TreeProposal:
+        """A Medusa-style tree of at most ``tree`` nodes, depth <= k: the children of every node at depth i are
+        head i's top candidates, and the tree keeps the nodes whose path probability (the product of the heads'
+        probabilities of its candidates: the softmax under greedy decoding, the processed q when sampling) is
+        highest — pruned per step, not a static shape. Candidates are deterministic: point masses (q=None),
+        exact at any temperature."""
+        st = seq.scratch[self.name]
+        with torch.inference_mode():
+            logits, subset = self._logits(st.feature, k, seq)
+            probs = (torch.softmax(logits.float(), -1) if seq.sampling.greedy
+                     else processed_probs(logits, seq.sampling))
+            top = probs.topk(min(self.tree, probs.shape[-1]), dim=-1)
+            ids = top.indices if subset is None else subset[top.indices]
+        # children of a node at depth d: head d's candidates, whatever the path (the heads read f[t] only)
+        candidates = [list(zip(row_ids, row_p, [d + 1] * len(row_ids)))
+                      for d, (row_ids, row_p) in enumerate(zip(ids.tolist(), top.values.tolist()))]
+        tokens, parents, _ = best_first(candidates.__getitem__, 0, self.tree, k)
+        return point_mass_tree(tokens, parents, seq.target.device)
+
+    def _logits(self, feature: torch.Tensor, k: int, seq: SequenceState) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first k heads' logits [k, V or |subset|] from the feature, and the drafting subset (None: all)."""
+        projections = self.greedy_projections if seq.sampling.greedy else self.sampled_projections
+        hidden = torch.stack([self._hidden(feature, i) for i in range(k)])  # [k, h]
+        if all(p is projections[0] for p in projections[:k]):  # shared LM head: one product for all heads
+            logits = projections[0].product(hidden)
+        else:
+            logits = torch.stack([projections[i].product(hidden[i]) for i in range(k)])
+        return logits, projections[0].subset
 
     def _hidden(self, feature: torch.Tensor, i: int) -> torch.Tensor:
         """Head i's hidden state from the feature [h]: its residual blocks, then (shared LM head) its map A_i."""

@@ -40,7 +40,9 @@ import torch
 
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import q_from_counts
+from specplug.tree_drafting import best_first, point_mass_tree, tree_budget
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
+from specplug.verifier import TreeProposal
 
 __all__ = ["SuffixProposer", "SuffixCache", "SuffixTree"]
 
@@ -403,7 +405,10 @@ class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self, target=None, max_depth: int = 64, factor: float = 1.0, min_token_prob: float = 0.1,
-                 max_cached_requests: int = 10_000, max_cached_tokens: int = 1_000_000, prompt_tail: int = 16):
+                 max_cached_requests: int = 10_000, max_cached_tokens: int = 1_000_000, prompt_tail: int = 16,
+                 tree: int = 0):
+        """``tree``: a node budget: draft several continuations of the matched node as a tree of at most this
+        many nodes (see :meth:`propose_tree`); 0 drafts one continuation, a chain."""
         if max_depth < 1:
             raise ValueError(f"suffix: max_depth must be >= 1, got {max_depth}")
         if factor < 0:
@@ -414,6 +419,7 @@ class SuffixProposer(Proposer):
             raise ValueError(f"suffix: prompt_tail must be >= 0, got {prompt_tail}")
         self.max_depth, self.factor, self.min_token_prob = max_depth, factor, min_token_prob
         self.prompt_tail = prompt_tail
+        self.tree = tree_budget(tree, "suffix")
         self.cache = SuffixCache(max_depth, max_cached_requests, max_cached_tokens)
         self._live: weakref.WeakSet[_SeqState] = weakref.WeakSet()
 
@@ -561,7 +567,7 @@ class SuffixProposer(Proposer):
                 return i
         return len(counts) - 1
 
-    def propose(self, seq: SequenceState, k: int) -> Proposal:
+    def propose(self, seq: SequenceState, k: int) -> Proposal | TreeProposal:
         state = self._sync(seq)
         device = seq.target.device
         best = None
@@ -572,6 +578,8 @@ class SuffixProposer(Proposer):
         if best is None:
             return Proposal.empty(device)
         _, tree, node, m, max_len, tokens, rows = best
+        if self.tree:
+            return self.propose_tree(tree, node, m, max_len, device)
         if not seq.sampling.greedy and any(r is not None for r in rows):
             u = torch.rand(max_len, generator=seq.rng, device=seq.rng.device, dtype=torch.float64).tolist()
             tokens, rows, _ = self._walk(tree, node, m, max_len, u)
@@ -580,6 +588,30 @@ class SuffixProposer(Proposer):
         if seq.sampling.greedy or all(r is None for r in rows):
             return Proposal.point_mass(tokens).to(device)  # argmax (or a certain continuation): one-hot q
         return Proposal(torch.tensor(tokens, device=device), q_from_counts(rows, tokens, seq.target.vocab_size, device))
+
+    def propose_tree(self, tree: SuffixTree, node: int, d: int, max_len: int, device) -> TreeProposal | Proposal:
+        """Several continuations of the point ``d`` tokens deep on ``node`` (the match the chain would draft
+        from): the nodes of highest estimated path probability (the product of continuation frequencies), at
+        most ``tree`` of them, depth <= ``max_len``, each at least ``min_token_prob``; siblings most frequent
+        first (ties: the most recent). Deterministic candidates: point masses (q=None), exact at any
+        temperature."""
+        tokens, parents, _ = best_first(lambda at: self._continuations(tree, *at), (node, d), self.tree, max_len,
+                                        self.min_token_prob)
+        return point_mass_tree(tokens, parents, device) if tokens else Proposal.empty(device)
+
+    @staticmethod
+    def _continuations(tree: SuffixTree, node: int, d: int) -> list[tuple[int, float, tuple[int, int]]]:
+        """(token, frequency, point after it) of every continuation of the point ``d`` deep on ``node``, most
+        frequent first (ties: the most recent occurrence)."""
+        if d < tree.depth[node]:  # inside an edge: one continuation
+            return [(tree.token(node, d), 1.0, (node, d + 1))]
+        ch = tree.kids[node]
+        if not ch:
+            return []
+        count, buf, end = tree.count, tree.buf, tree.end
+        total = sum(count[c] for c in ch.values())
+        ranked = sorted(ch.items(), key=lambda kv: (count[kv[1]], buf[kv[1]], end[kv[1]]), reverse=True)
+        return [(tok, count[c] / total, (c, d + 1)) for tok, c in ranked]
 
     def memory_bytes(self) -> int:
         return self.cache.memory_bytes() + sum(s.memory_bytes() for s in list(self._live))

@@ -18,7 +18,9 @@ import torch
 
 from . import draft_stop, few_rows, heads, int8_products
 from .sampling import draw
+from .tree_drafting import GrowingTree, grow_tree, visible_rows
 from .types import Proposal, Proposer, SequenceState, Verdict
+from .verifier import TreeProposal
 
 ARCH_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
              "rms_norm_eps", "rope_parameters", "max_position_embeddings", "vocab_size", "hidden_act")
@@ -127,6 +129,8 @@ class FeatureHeadProposer(Proposer):
     target = None
     stop_below: float | None = None
     embedding_table: torch.Tensor | None = None
+    tree: int = 0  # a node budget: draft trees (see _draft_tree); 0: chains
+    tree_width: int = 4  # children per expanded node, and nodes expanded per level
 
     # --- the hooks ---------------------------------------------------------------------------------
     def _new_cache(self):
@@ -148,6 +152,13 @@ class FeatureHeadProposer(Proposer):
     def _projection_for(self, seq: SequenceState):
         """The :class:`specplug.drafting_vocab.Projection` that turns an output into drafting logits."""
         raise NotImplementedError
+
+    def _tree_step(self, outs: torch.Tensor, embeds: torch.Tensor, positions: list[int], cache,
+                   visible: torch.Tensor) -> torch.Tensor:
+        """Tree drafting (``tree`` > 0): one level of nodes in one masked run, their parents' outputs [E, h] and
+        their tokens' embeddings [E, h] at ``positions``, entry i attending over the cache entries ``visible[i]``
+        marks: their outputs [E, h]."""
+        raise NotImplementedError(f"{self.name} does not draft trees")
 
     # --- per-sequence state ------------------------------------------------------------------------
     def _state(self, seq: SequenceState) -> HeadState:
@@ -182,7 +193,7 @@ class FeatureHeadProposer(Proposer):
         table = self.embedding_table
         return table[token][None] if table is not None else self.target.embedding(torch.tensor([token], device=device))
 
-    def propose(self, seq: SequenceState, k: int) -> Proposal:
+    def propose(self, seq: SequenceState, k: int) -> Proposal | TreeProposal:
         device = seq.target.device
         st = self._state(seq)
         n = len(seq.ids)
@@ -196,6 +207,10 @@ class FeatureHeadProposer(Proposer):
             tokens = torch.tensor(seq.ids[st.fed + 1: n], device=device)
             out = self._catch_up(feats, self.target.embedding(tokens), st.fed, st.cache)
             st.fed, st.pending = n - 1, []
+            if self.tree:
+                tree = self._draft_tree(seq, k, out, st.cache, projection)
+                st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
+                return tree
             drafted, q_rows = [], []
             for j in range(k):
                 logits = projection.product(out)
@@ -211,6 +226,25 @@ class FeatureHeadProposer(Proposer):
                     out = self._draft_step(out[None], self._embed(token, device), n - 1 + j, st.cache)
             st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
         return Proposal(torch.tensor(drafted, device=device), torch.stack(q_rows) if q_rows else None)
+
+    def _draft_tree(self, seq: SequenceState, k: int, out: torch.Tensor, cache, projection) -> TreeProposal:
+        """An EAGLE-2-style dynamic tree (:func:`specplug.tree_drafting.grow_tree`) from the head's output for
+        the newest token: each level's expanded nodes run through the head in one masked run (a node sees the
+        verified entries and its ancestors')."""
+        device, n = seq.target.device, len(seq.ids)
+        outs, entry, prefix = {-1: out}, {}, cache.length
+
+        def run_level(tree: GrowingTree, nodes: list[int]) -> torch.Tensor:
+            parents = torch.stack([outs[tree.parents[i]] for i in nodes])
+            embeds = torch.cat([self._embed(tree.tokens[i], device) for i in nodes])
+            visible = visible_rows(tree, nodes, entry, prefix, cache.length).to(device)
+            # a node at depth d holds the token at position n - 1 + d, fed beside its parent's output at n - 2 + d
+            new = self._tree_step(parents, embeds, [n - 2 + tree.depths[i] for i in nodes], cache, visible)
+            outs.update(zip(nodes, new))
+            return projection.product(new)
+
+        return grow_tree(projection.product(out), run_level, seq.sampling, seq.rng, budget=self.tree, max_depth=k,
+                         width=self.tree_width, subset=projection.subset, vocab_size=self.vocab_size)[0]
 
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:
         st = self._state(seq)
