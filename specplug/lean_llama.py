@@ -262,11 +262,12 @@ class LeanLayer:
         return [self._attend_one(q[i], keys[:, :start + i + 1], values[:, :start + i + 1]) for i in range(q.shape[0])]
 
     def _attend_visible(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        visible: torch.Tensor) -> torch.Tensor:
+                        visible: torch.Tensor, fused: bool = True) -> torch.Tensor:
         """Scaled queries q [T, heads, d] over keys/values [kv_heads, L, d], query i over the keys ``visible[i]``
         marks -> [T, heads, d]. A few queries each make the one-token step's call on their gathered keys (so a
-        tree's accepted path scores as the chain would); more run through torch's fused attention, masked."""
-        if q.shape[0] > SMALL_ATTENTION:
+        tree's accepted path scores as the chain would); more run through torch's fused attention, masked,
+        unless ``fused=False`` (a target's tree of any size: its path must score as its chain would)."""
+        if fused and q.shape[0] > SMALL_ATTENTION:
             return F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible, scale=1.0,
                                                   enable_gqa=self.heads != self.kv_heads).transpose(0, 1)
         out = []
@@ -303,7 +304,7 @@ class LeanLayer:
             if mask is None:
                 outs += self._attend_each(q[at:at + n] * self.scaling, keys, values, start)
             else:
-                outs += list(self._attend_visible(q[at:at + n] * self.scaling, keys, values, mask))
+                outs += list(self._attend_visible(q[at:at + n] * self.scaling, keys, values, mask, fused=False))
             at += n
         return self._finish(x, torch.stack(outs).reshape(x.shape[0], -1))
 

@@ -228,7 +228,7 @@ ZOO_PROMPTS = [
 
 @engine_trees
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [8, 16])
+@pytest.mark.parametrize("budget", [8, 32])
 @pytest.mark.parametrize("name", TREE_PROPOSERS)
 def test_greedy_with_a_tree_equals_target_only_on_the_zoo(name, budget):
     target = _zoo_target()
