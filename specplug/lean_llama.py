@@ -13,6 +13,7 @@ model users loaded is the model that runs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -225,7 +226,7 @@ class LeanLayer:
         return x + self.down(self.act(gate) * up)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
-                 keep: int = 0, visible: torch.Tensor | None = None) -> torch.Tensor:
+                 keep: int = 0, visible: Visibility | None = None) -> torch.Tensor:
         """x [T, h]: T new positions after ``cache.length`` cached ones; cos/sin [T, head_dim] of their positions
         (sin signed as :class:`RopeTable` keeps it).
         Returns the outputs [T, h], or only the last ``keep`` rows' (0: all).
@@ -234,8 +235,8 @@ class LeanLayer:
         its own output; a last layer whose caller reads one row (a drafter catching up on accepted tokens, a
         prefill) skips them for the others.
 
-        ``visible`` [T, cache.length + T] bool (with ``keep=0``): query i attends over exactly the keys its row
-        marks, in cache order, instead of the causal prefix (a tree: the prefix and the node's ancestors)."""
+        ``visible`` (with ``keep=0``): a :class:`Visibility` of [T, cache.length + T]: query i attends over exactly
+        the keys its row marks, in cache order, instead of the causal prefix (a tree: the prefix and the node's ancestors)."""
         T, start = x.shape[0], cache.length
         q, k, v = self._qkv(x, cos, sin)
         keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))
@@ -262,18 +263,27 @@ class LeanLayer:
         return [self._attend_one(q[i], keys[:, :start + i + 1], values[:, :start + i + 1]) for i in range(q.shape[0])]
 
     def _attend_visible(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        visible: torch.Tensor, fused: bool = True) -> torch.Tensor:
-        """Scaled queries q [T, heads, d] over keys/values [kv_heads, L, d], query i over the keys ``visible[i]``
-        marks -> [T, heads, d]. A few queries each make the one-token step's call on their gathered keys (so a
-        tree's accepted path scores as the chain would); more run through torch's fused attention, masked,
-        unless ``fused=False`` (a target's tree of any size: its path must score as its chain would)."""
+                        visible: "Visibility", fused: bool = True) -> torch.Tensor:
+        """Scaled queries q [T, heads, d] over the cache's keys/values [kv_heads, L, d], query i over the keys
+        ``visible`` marks for it -> [T, heads, d]. A few queries (or any number with ``fused=False``: a target's
+        tree, whose path must score as its chain would) each make the one-token step's call on a view of the
+        cache: its visible entries after the leading visible run are written, in order, just after that run,
+        so the view holds what a chain holding the node's path would (the overwritten entries are put back
+        afterwards). More queries run through torch's fused attention, masked."""
         if fused and q.shape[0] > SMALL_ATTENTION:
-            return F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible, scale=1.0,
+            return F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible.mask, scale=1.0,
                                                   enable_gqa=self.heads != self.kv_heads).transpose(0, 1)
+        lo = min(visible.runs, default=keys.shape[1])
+        saved_k, saved_v = keys[:, lo:].clone(), values[:, lo:].clone()
         out = []
-        for i in range(q.shape[0]):
-            idx = visible[i].nonzero().squeeze(-1)
-            out.append(self._attend_one(q[i], keys.index_select(1, idx), values.index_select(1, idx)))
+        for i, (run, rest) in enumerate(zip(visible.runs, visible.rest)):
+            end = run + rest.numel()
+            if rest.numel():
+                keys[:, run:end] = saved_k.index_select(1, rest - lo)
+                values[:, run:end] = saved_v.index_select(1, rest - lo)
+            out.append(self._attend_one(q[i], keys[:, :end], values[:, :end]))
+            if rest.numel():  # put back what the next query may see in its leading run
+                keys[:, run:end], values[:, run:end] = saved_k[:, run - lo:end - lo], saved_v[:, run - lo:end - lo]
         return torch.stack(out)
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -288,7 +298,7 @@ class LeanLayer:
         return torch.bmm(weights, values).reshape(q.shape)
 
     def rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[LayerCache],
-             counts: list[int], visible: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+             counts: list[int], visible: Sequence[Visibility | None] | None = None) -> torch.Tensor:
         """A few new positions in each of B sequences: x [N, h] holds ``counts[b]`` rows for sequence b in
         order, cos/sin [N, head_dim] their positions (sin signed, see :class:`RopeTable`), one cache per sequence.
         ``visible[b]`` (None: causal): row b's [counts[b], length after] mask, as in ``__call__``.
@@ -469,12 +479,33 @@ class LeanLlama:
         return (head or self.head)(x), states
 
 
-def _checked_visible(visible: torch.Tensor, n: int, cached: int, device) -> torch.Tensor:
-    """``visible`` as a bool tensor on ``device``, if it has the shape [n, cached + n] a masked run needs."""
+@dataclass
+class Visibility:
+    """A masked run's attention mask, read once for every layer: ``mask`` [T, L] bool; for query i, ``runs[i]``
+    its leading run of visible entries (0..runs[i] - 1) and ``rest[i]`` the indices of the visible entries after
+    it, ascending."""
+
+    mask: torch.Tensor
+    runs: list[int]
+    rest: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, mask: torch.Tensor) -> "Visibility":
+        rows = mask.cpu()
+        hidden = ~rows
+        # the first entry a query does not see (its row's length where it sees them all)
+        runs = torch.where(hidden.any(1), hidden.int().argmax(1), rows.shape[1]).tolist()
+        rest = [(rows[i, run:].nonzero().squeeze(-1) + run).to(mask.device) for i, run in enumerate(runs)]
+        return cls(mask, runs, rest)
+
+
+def _checked_visible(visible: torch.Tensor, n: int, cached: int, device) -> Visibility:
+    """``visible`` planned (:class:`Visibility`) on ``device``, if it has the shape [n, cached + n] a masked run
+    needs."""
     mask = torch.as_tensor(visible, device=device).bool()
     if mask.shape != (n, cached + n):
         raise ValueError(f"visible must be [T, cache length + T] = [{n}, {cached + n}], got {tuple(mask.shape)}")
-    return mask
+    return Visibility.of(mask)
 
 
 def lean_or_reason(model: torch.nn.Module, one_row_copies: bool = False) -> tuple[LeanLlama | None, str]:

@@ -104,6 +104,22 @@ def test_a_wide_tree_runs_through_fused_attention_and_agrees_with_its_chain(lean
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_a_masked_run_leaves_every_appended_entry_in_place(lean, monkeypatch):
+    """Query by query the masked run writes a node's ancestors next to the prefix and puts back what it wrote:
+    afterwards the cache holds each node's own keys and values, as torch's fused masked attention leaves them."""
+    import specplug.lean_llama as lean_llama
+
+    tree = _tree(lean.embedding.shape[0], seed=3)
+    by_query = _prefilled(lean, [5, 9, 17, 3])
+    _score_tree(lean, by_query, 4, tree)
+    monkeypatch.setattr(lean_llama, "SMALL_ATTENTION", 0)  # every query through the fused masked call
+    fused = _prefilled(lean, [5, 9, 17, 3])
+    _score_tree(lean, fused, 4, tree)
+    for a, b in zip(by_query.layers, fused.layers):
+        torch.testing.assert_close(a.k[:, :a.length], b.k[:, :b.length], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.v[:, :a.length], b.v[:, :b.length], atol=1e-5, rtol=1e-5)
+
+
 def test_keep_entries_refuses_indices_out_of_order(lean):
     cache = _prefilled(lean, [1, 2, 3, 4])
     with pytest.raises(ValueError, match="ascend"):
