@@ -24,7 +24,8 @@ from specplug.plugins.hookspecs import hookimpl
 from specplug.lean_llama import LeanCache, Product, lean_or_reason
 from specplug.sampling import draw, multinomial
 from specplug.target import KVState, Target, load_causal_lm, load_tokenizer
-from specplug.tree_drafting import GrowingTree, grow_tree, tree_budget, tree_width_checked, visible_rows
+from specplug.tree_drafting import (GrowingTree, grow_tree, node_budget, tree_budget, tree_width_checked,
+                                    visible_rows)
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
 from specplug.verifier import TreeProposal
 
@@ -195,8 +196,9 @@ class DraftModelProposer(Proposer):
         # the cache covers a prefix of seq.ids; feed what it lacks (the prompt at first, then 1-2 tokens)
         logits = self._next_logits(state, seq.ids[state.length:], projection)
         self._confirm(seq, state)
-        if self.tree:
-            return self.propose_tree(seq, k, state, logits, projection)
+        budget = node_budget(self.tree, seq)
+        if budget:
+            return self.propose_tree(seq, k, state, logits, projection, budget)
         tokens, q_rows = [], []
         for i in range(k):
             token, q, go_on = self._draw(logits, seq, projection)
@@ -211,7 +213,7 @@ class DraftModelProposer(Proposer):
         return Proposal(torch.tensor(tokens, device=device), torch.stack(q_rows).to(device) if q_rows else None)
 
     def propose_tree(self, seq: SequenceState, k: int, state: LeanCache, logits: torch.Tensor,
-                     projection: Projection) -> TreeProposal:
+                     projection: Projection, budget: int) -> TreeProposal:
         """A dynamic tree (:func:`specplug.tree_drafting.grow_tree`) from the draft's ``logits`` after the newest
         token: each level's expanded nodes run in one masked lean pass (a node at depth d at position
         n - 1 + d, seeing the cached sequence and its ancestors). Their entries stay in the cache until
@@ -223,7 +225,7 @@ class DraftModelProposer(Proposer):
             return self.lean.run_masked(state, [tree.tokens[i] for i in nodes],
                                         [n - 1 + tree.depths[i] for i in nodes], visible, head=projection.product)[0]
 
-        tree, grown = grow_tree(logits, run_level, seq.sampling, seq.rng, budget=self.tree, max_depth=k,
+        tree, grown = grow_tree(logits, run_level, seq.sampling, seq.rng, budget=budget, max_depth=k,
                                 width=self.tree_width, subset=projection.subset, vocab_size=self.vocab_size)
         # cache entries of the returned nodes that were run (expanded), for observe
         seq.scratch[f"{self.name}:tree"] = (n, {new: entry[old] for new, old in enumerate(grown) if old in entry})
@@ -233,7 +235,7 @@ class DraftModelProposer(Proposer):
         """Draft for several sequences at once: each drafting step is one lean pass over all rows still
         drafting (the draft's weights are read once, not once per row). Each row is drawn with its own rng,
         exactly as :meth:`propose` would draw it. (Trees: one row after another.)"""
-        if self.lean is None or self.tree:
+        if self.lean is None or any(node_budget(self.tree, seq) for seq in seqs):
             return [self.propose(seq, k) for seq, k in zip(seqs, ks)]
         limit = self.draft.max_positions
         ks = [min(k, limit - len(seq.ids)) if limit is not None else k for seq, k in zip(seqs, ks)]

@@ -37,7 +37,7 @@ from specplug.drafting_products import drafting_weights, linear_shapes
 from specplug.lean_llama import Product
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import processed_probs, sample_rows
-from specplug.tree_drafting import best_first, point_mass_tree, tree_budget
+from specplug.tree_drafting import best_first, node_budget, point_mass_tree, tree_budget
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
 from specplug.verifier import TreeProposal
 
@@ -235,8 +235,9 @@ class MTPProposer(Proposer):
         # head i reads f[t], t = the position before the newest token, and predicts the token at t+2+i
         if st is None or st.feature is None or st.at != len(seq.ids) - 2 or k <= 0:
             return Proposal.empty(seq.target.device)
-        if self.tree:
-            return self.propose_tree(seq, k)
+        budget = node_budget(self.tree, seq)
+        if budget:
+            return self.propose_tree(seq, k, budget)
         with torch.inference_mode():
             logits, subset = self._logits(st.feature, k, seq)
             if seq.sampling.greedy:  # q is the point mass at each argmax: no dense q to carry
@@ -248,7 +249,7 @@ class MTPProposer(Proposer):
             q = full_q(q, subset, self.vocab_size)  # zero outside the subset
         return Proposal(tokens.to(seq.target.device), q.to(seq.target.device))
 
-    def propose_tree(self, seq: SequenceState, k: int) -> TreeProposal:
+    def propose_tree(self, seq: SequenceState, k: int, budget: int) -> TreeProposal:
         """A Medusa-style tree of at most ``tree`` nodes, depth <= k: the children of every node at depth i are
         head i's top candidates, and the tree keeps the nodes whose path probability (the product of the heads'
         probabilities of its candidates: the softmax under greedy decoding, the processed q when sampling) is
@@ -259,12 +260,12 @@ class MTPProposer(Proposer):
             logits, subset = self._logits(st.feature, k, seq)
             probs = (torch.softmax(logits.float(), -1) if seq.sampling.greedy
                      else processed_probs(logits, seq.sampling))
-            top = probs.topk(min(self.tree, probs.shape[-1]), dim=-1)
+            top = probs.topk(min(budget, probs.shape[-1]), dim=-1)
             ids = top.indices if subset is None else subset[top.indices]
         # children of a node at depth d: head d's candidates, whatever the path (the heads read f[t] only)
         candidates = [list(zip(row_ids, row_p, [d + 1] * len(row_ids)))
                       for d, (row_ids, row_p) in enumerate(zip(ids.tolist(), top.values.tolist()))]
-        tokens, parents, _ = best_first(candidates.__getitem__, 0, self.tree, k)
+        tokens, parents, _ = best_first(candidates.__getitem__, 0, budget, k)
         return point_mass_tree(tokens, parents, seq.target.device)
 
     def _logits(self, feature: torch.Tensor, k: int, seq: SequenceState) -> tuple[torch.Tensor, torch.Tensor | None]:

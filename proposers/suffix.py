@@ -40,7 +40,7 @@ import torch
 
 from specplug.plugins.hookspecs import hookimpl
 from specplug.sampling import q_from_counts
-from specplug.tree_drafting import best_first, point_mass_tree, tree_budget
+from specplug.tree_drafting import best_first, node_budget, point_mass_tree, tree_budget
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
 from specplug.verifier import TreeProposal
 
@@ -578,8 +578,9 @@ class SuffixProposer(Proposer):
         if best is None:
             return Proposal.empty(device)
         _, tree, node, m, max_len, tokens, rows = best
-        if self.tree:
-            return self.propose_tree(tree, node, m, max_len, device)
+        budget = node_budget(self.tree, seq)
+        if budget:
+            return self.propose_tree(tree, node, m, max_len, device, budget)
         if not seq.sampling.greedy and any(r is not None for r in rows):
             u = torch.rand(max_len, generator=seq.rng, device=seq.rng.device, dtype=torch.float64).tolist()
             tokens, rows, _ = self._walk(tree, node, m, max_len, u)
@@ -589,13 +590,14 @@ class SuffixProposer(Proposer):
             return Proposal.point_mass(tokens).to(device)  # argmax (or a certain continuation): one-hot q
         return Proposal(torch.tensor(tokens, device=device), q_from_counts(rows, tokens, seq.target.vocab_size, device))
 
-    def propose_tree(self, tree: SuffixTree, node: int, d: int, max_len: int, device) -> TreeProposal | Proposal:
+    def propose_tree(self, tree: SuffixTree, node: int, d: int, max_len: int, device,
+                     budget: int) -> TreeProposal | Proposal:
         """Several continuations of the point ``d`` tokens deep on ``node`` (the match the chain would draft
         from): the nodes of highest estimated path probability (the product of continuation frequencies), at
         most ``tree`` of them, depth <= ``max_len``, each at least ``min_token_prob``; siblings most frequent
         first (ties: the most recent). Deterministic candidates: point masses (q=None), exact at any
         temperature."""
-        tokens, parents, _ = best_first(lambda at: self._continuations(tree, *at), (node, d), self.tree, max_len,
+        tokens, parents, _ = best_first(lambda at: self._continuations(tree, *at), (node, d), budget, max_len,
                                         self.min_token_prob)
         return point_mass_tree(tokens, parents, device) if tokens else Proposal.empty(device)
 

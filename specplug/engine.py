@@ -42,7 +42,7 @@ from .rows import RowScores
 from .sampling import SamplingParams, processed_probs
 from .stopping import Stopper
 from .target import Target
-from .tree_steps import checked_tree, drafted, is_tree, kept_rows, verify_sampled_trees
+from .tree_steps import checked_tree, drafted, is_tree, kept_rows, tree_shape, verify_sampled_trees
 from .types import Proposer, SequenceState
 
 __all__ = ["GenerationResult", "SpeculationError", "Engine", "Request", "as_policy", "prompt_ids", "per_row"]
@@ -186,6 +186,8 @@ class Engine:
         self.target, self.proposer, self.strict = target, proposer, strict
         self.name = _name(proposer) if proposer is not None else "target-only"
         self.features = tuple(getattr(proposer, "needs_features", ())) if proposer is not None else ()
+        tree = getattr(proposer, "tree", 0)  # a tree-drafting proposer's node budget option (policies may lower it)
+        self.max_node_budget = tree if isinstance(tree, int) and not isinstance(tree, bool) and tree > 0 else 0
         self.batched = n > 1
         self.stopper = Stopper(target, stop)
         self.limit = target.max_positions or 1 << 62
@@ -249,6 +251,7 @@ class Engine:
             req.stats.prefill_time = prefill
             req.seq.prompt_features = features
             req.seq.scratch["proposer"] = self.name
+            req.seq.scratch["max_node_budget"] = self.max_node_budget
             self._ask(req, "begin")
             if self.proposer is not None:
                 req.drafting = req.owes_end = True
@@ -395,9 +398,12 @@ class Engine:
         # what the whole step cost, for batch-aware policies: every row waits for all the drafting, and the pass
         # scores K + 1 positions for every row whatever each proposed (one dict per step)
         ks = [drafted(r.proposal) for r in self.live]
+        shapes = [tree_shape(r.proposal) for r in self.live]
         step = {"scored": max(ks) + 1, "drafted": sum(ks), "draft_rows": sum(1 for k in ks if k),
                 "backlog_rows": sum(1 for r in self.live if r.drafting and r.asked > 0 and not r.drafted_last),
-                "draft_time": draft_all, "verify_time": target_time + verify_time, "batch_size": B}
+                "draft_time": draft_all, "verify_time": target_time + verify_time, "batch_size": B,
+                "tree_rows": sum(1 for s in shapes if s is not None),
+                "depth": max(s[1] if s is not None else k for s, k in zip(shapes, ks))}
         events, done = [], []
         for j, (req, verdict) in enumerate(zip(self.live, verdicts)):
             seq, stats = req.seq, req.stats
@@ -409,6 +415,7 @@ class Engine:
             if req.drafting:
                 if self.batched:
                     seq.scratch["batch_step"] = step
+                seq.scratch["drafted_tree"] = shapes[j]
                 self._ask(req, "update", ks[j], verdict.accepted, req.draft_time, target_time, B)
             emitted, reason = self.stopper.emit(seq, verdict.tokens, req.remaining)
             if req.drafting and not req.fell_back:

@@ -18,7 +18,7 @@ import torch
 
 from . import draft_stop, few_rows, heads, int8_products
 from .sampling import draw
-from .tree_drafting import GrowingTree, grow_tree, visible_rows
+from .tree_drafting import GrowingTree, grow_tree, node_budget, visible_rows
 from .types import Proposal, Proposer, SequenceState, Verdict
 from .verifier import TreeProposal
 
@@ -207,8 +207,9 @@ class FeatureHeadProposer(Proposer):
             tokens = torch.tensor(seq.ids[st.fed + 1: n], device=device)
             out = self._catch_up(feats, self.target.embedding(tokens), st.fed, st.cache)
             st.fed, st.pending = n - 1, []
-            if self.tree:
-                tree = self._draft_tree(seq, k, out, st.cache, projection)
+            budget = node_budget(self.tree, seq)
+            if budget:
+                tree = self._draft_tree(seq, k, out, st.cache, projection, budget)
                 st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
                 return tree
             drafted, q_rows = [], []
@@ -227,7 +228,8 @@ class FeatureHeadProposer(Proposer):
             st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
         return Proposal(torch.tensor(drafted, device=device), torch.stack(q_rows) if q_rows else None)
 
-    def _draft_tree(self, seq: SequenceState, k: int, out: torch.Tensor, cache, projection) -> TreeProposal:
+    def _draft_tree(self, seq: SequenceState, k: int, out: torch.Tensor, cache, projection,
+                    budget: int) -> TreeProposal:
         """An EAGLE-2-style dynamic tree (:func:`specplug.tree_drafting.grow_tree`) from the head's output for
         the newest token: each level's expanded nodes run through the head in one masked run (a node sees the
         verified entries and its ancestors')."""
@@ -243,7 +245,7 @@ class FeatureHeadProposer(Proposer):
             outs.update(zip(nodes, new))
             return projection.product(new)
 
-        return grow_tree(projection.product(out), run_level, seq.sampling, seq.rng, budget=self.tree, max_depth=k,
+        return grow_tree(projection.product(out), run_level, seq.sampling, seq.rng, budget=budget, max_depth=k,
                          width=self.tree_width, subset=projection.subset, vocab_size=self.vocab_size)[0]
 
     def observe(self, seq: SequenceState, verdict: Verdict) -> None:

@@ -226,7 +226,7 @@ class LeanLayer:
         return x + self.down(self.act(gate) * up)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
-                 keep: int = 0, visible: Visibility | None = None) -> torch.Tensor:
+                 keep: int = 0, visible: Visibility | torch.Tensor | None = None) -> torch.Tensor:
         """x [T, h]: T new positions after ``cache.length`` cached ones; cos/sin [T, head_dim] of their positions
         (sin signed as :class:`RopeTable` keeps it).
         Returns the outputs [T, h], or only the last ``keep`` rows' (0: all).
@@ -235,13 +235,14 @@ class LeanLayer:
         its own output; a last layer whose caller reads one row (a drafter catching up on accepted tokens, a
         prefill) skips them for the others.
 
-        ``visible`` (with ``keep=0``): a :class:`Visibility` of [T, cache.length + T]: query i attends over exactly
-        the keys its row marks, in cache order, instead of the causal prefix (a tree: the prefix and the node's ancestors)."""
+        ``visible`` (with ``keep=0``): a [T, cache.length + T] bool mask or its :class:`Visibility` (planned once
+        for all layers): query i attends over exactly the keys its row marks, in cache order, instead of the causal prefix (a tree: the prefix and the node's ancestors)."""
         T, start = x.shape[0], cache.length
         q, k, v = self._qkv(x, cos, sin)
         keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))
         if visible is not None:
-            return self._finish(x, self._attend_visible(q * self.scaling, keys, values, visible).reshape(T, -1))
+            plan = visible if isinstance(visible, Visibility) else Visibility.of(visible.bool())
+            return self._finish(x, self._attend_visible(q * self.scaling, keys, values, plan).reshape(T, -1))
         if 0 < keep < T:
             x, q, start, T = x[-keep:], q[-keep:], start + T - keep, keep
         if T <= SMALL_ATTENTION:

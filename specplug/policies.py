@@ -16,7 +16,8 @@ import numpy as np
 from specplug.plugins.hookspecs import hookimpl
 
 from .metrics import expected_tokens
-from .types import SequenceState
+from .node_budgets import NodeBudgets
+from .types import NODE_BUDGET, SequenceState
 
 
 class GammaPolicy:
@@ -391,6 +392,7 @@ class CostModelPolicy(GammaPolicy):
         self._probe_row = None  # the sequence the last one-row step drafted in (measured again, if it can)
         self._probing = False  # the last batch choice was a probe
         self._empty_row = None  # the row whose probe drafted nothing (the next probe tries another)
+        self.budgets = NodeBudgets(request_decay=decay)  # tree-drafting proposers: the node budget (node_budgets)
 
     def _state(self, seq) -> dict:
         key = f"policy:{self.name}"
@@ -509,7 +511,26 @@ class CostModelPolicy(GammaPolicy):
         k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, can_probe)
         state["probing"] = can_probe and k > 0
         state["k"] = k
+        if seq.scratch.get("max_node_budget"):
+            k = self._with_budget([seq], [max_k], batch_size, [k], state["probing"])[0]
         return k
+
+    def _with_budget(self, seqs, max_ks: list[int], batch_size: int, ks: list[int], probing: bool) -> list[int]:
+        """Each row's k after choosing the step's node budget (written to NODE_BUDGET; 0: chains) for a
+        tree-drafting proposer: a tree where it is predicted to beat the chosen chain (see
+        :mod:`specplug.node_budgets`), never in a probe or a measuring step."""
+        budget, k = 0, max(ks)
+        max_ks = [min(m, self.max_gamma) for m in max_ks]
+        measured = k > 0 and self.costs.verify_time(k + 1, batch_size) is not None
+        if measured and not probing and self.costs.draft_time(1, sum(1 for m in max_ks if m > 0)) is not None:
+            alphas = [self._alpha(s) for s in seqs]
+            cap = min(self.max_gamma, max(max_ks))
+            rate = self._rates(_step_tokens(alphas, max_ks, cap), max_ks, batch_size, cap)[min(k, cap)]
+            budget, k = self.budgets.choose(seqs, max_ks, batch_size, k, rate, self.costs, self.costs.draft_time)
+        for s in seqs:
+            s.scratch[NODE_BUDGET] = budget
+            self._state(s)["budget"] = budget
+        return ks if budget == 0 else [min(k, m) for m in max_ks]
 
     def choose_batch(self, seqs, max_ks):
         """One k for the whole step (each row capped by its own max_k); a probe drafts one token in one row
@@ -520,16 +541,17 @@ class CostModelPolicy(GammaPolicy):
     def _choose_batch(self, seqs, max_ks):
         alphas = [self._alpha(s) for s in seqs]
         k = self._best(alphas, list(max_ks), len(seqs), self._batch_idle > 0, self._batch_k > 0)
+        tree = bool(seqs[0].scratch.get("max_node_budget"))
         if k < 0:  # measuring
-            return [min(MEASURE_K, m) for m in max_ks]
+            ks = [min(MEASURE_K, m) for m in max_ks]
+            return self._with_budget(seqs, max_ks, len(seqs), ks, True) if tree else ks
         idle = k == 0
         can_probe = idle and self._could_pay(list(max_ks), len(seqs))
         k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, can_probe)
         self._batch_k = k
         self._probing = idle and k > 0
-        if self._probing:
-            return self._one_row(seqs, alphas, max_ks)
-        return [min(k, m) for m in max_ks]
+        ks = self._one_row(seqs, alphas, max_ks) if self._probing else [min(k, m) for m in max_ks]
+        return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
 
     def _one_row(self, seqs, alphas: list[float], max_ks: list[int]) -> list[int]:
         """k = 1 in one row: the one measured last step if it can draft (its drafter has no backlog), else the
@@ -546,12 +568,14 @@ class CostModelPolicy(GammaPolicy):
     def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
         step = seq.scratch.get("batch_step")
         state = self._state(seq)
+        shape = seq.scratch.get("drafted_tree")  # (nodes, depth) of a tree step, None for a chain
         if step:  # in a batch: the step's costs once (every row reports the same step)
             if step is not self._last_step:
                 self._last_step = step
                 # drafting is a clean measurement only if no row's drafter had a backlog to catch up on (a row
                 # that joined brings its whole prompt)
                 clean = step["backlog_rows"] == 0 if "backlog_rows" in step else self._last_rows >= step["draft_rows"]
+                clean = clean and not step.get("tree_rows")  # a tree's drafting is no point on the chain's line
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
                                    step["scored"], clean, step["draft_rows"])
                 self._last_rows = step["draft_rows"]
@@ -560,13 +584,21 @@ class CostModelPolicy(GammaPolicy):
                     self._batch_wait = max(self.probe_every, self._batch_wait // 2)
                     self._batch_idle, self._empty_row, self._probe_row = self._batch_wait, self._probe_row, None
         else:
-            self.costs.observe(proposed, draft_time, verify_time, batch_size, None, state.get("drafted", 0) > 0)
+            self.costs.observe(proposed, draft_time, verify_time, batch_size, None,
+                               state.get("drafted", 0) > 0 and shape is None)
             state["drafted"] = proposed
             if state.pop("probing", False) and proposed == 0:  # probe again next step
                 state["wait"] = max(self.probe_every, state["wait"] // 2)
                 state["idle"] = state["wait"]
         if proposed == 0:
             return
+        if shape is not None:
+            nodes, depth = shape
+            budget = state.get("budget") or nodes  # a tree the policy did not ask for: keyed by its size
+            self.budgets.observe(seq, budget, accepted, nodes, depth, draft_time)
+            return
+        if seq.scratch.get("max_node_budget"):
+            self.budgets.observe_chain(seq, accepted, proposed, draft_time)
         trials = accepted + (accepted < proposed)
         state["successes"] = self.decay * state["successes"] + accepted
         state["trials"] = self.decay * state["trials"] + trials

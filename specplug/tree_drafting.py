@@ -22,6 +22,7 @@ from specplug.verifier import ProposalError, TreeProposal
 
 from .drafting_vocab import full_q
 from .sampling import SamplingParams, processed_probs
+from .types import NODE_BUDGET
 
 # children(state) -> (token, probability given the parent, state of the child), in the order to try them
 Children = Callable[[Hashable], Iterable[tuple[int, float, Hashable]]]
@@ -32,6 +33,13 @@ def tree_budget(tree: object, who: str) -> int:
     if isinstance(tree, bool) or not isinstance(tree, int) or tree < 0:
         raise ValueError(f"{who}: tree must be a node budget (an int >= 0; 0 drafts a chain), got {tree!r}")
     return tree
+
+
+def node_budget(tree: int, seq) -> int:
+    """The node budget this step: the γ policy's choice (``seq.scratch[NODE_BUDGET]``) within the proposer's own
+    ``tree`` option, which is the most it drafts."""
+    chosen = seq.scratch.get(NODE_BUDGET)
+    return tree if chosen is None else max(0, min(tree, int(chosen)))
 
 
 def tree_width_checked(width: object, who: str) -> int:

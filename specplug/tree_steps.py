@@ -13,7 +13,7 @@ import torch
 from specplug.verifier import (Proposal, ProposalError, TreeProposal, TreeVerdict, stack_trees, validate_tree,
                                verify_tree_batch)
 
-__all__ = ["is_tree", "drafted", "checked_tree", "kept_rows", "verify_sampled_trees"]
+__all__ = ["is_tree", "drafted", "tree_shape", "checked_tree", "kept_rows", "verify_sampled_trees"]
 
 
 def is_tree(proposal: Proposal | TreeProposal | None) -> bool:
@@ -23,6 +23,13 @@ def is_tree(proposal: Proposal | TreeProposal | None) -> bool:
 def drafted(proposal: Proposal | TreeProposal) -> int:
     """Tokens (a chain's k) or nodes (a tree's n) the target scores after the last token."""
     return proposal.n if is_tree(proposal) else proposal.k
+
+
+def tree_shape(proposal: Proposal | TreeProposal) -> tuple[int, int] | None:
+    """(nodes, depth) of a tree, None for a chain: what a γ policy is told about the step."""
+    if not is_tree(proposal):
+        return None
+    return proposal.n, int(proposal.depths().max()) if proposal.n else 0
 
 
 def checked_tree(tree: TreeProposal, asked: int, vocab_size: int, device) -> TreeProposal:

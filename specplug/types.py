@@ -37,12 +37,17 @@ if TYPE_CHECKING:
     from .target import Target
 
 __all__ = ["Proposal", "ProposalError", "Verdict", "SequenceState", "Proposer", "BatchProposer", "BatchStep",
-           "ENGINE_SCRATCH_KEYS"]
+           "ENGINE_SCRATCH_KEYS", "NODE_BUDGET"]
 
 # The keys of ``SequenceState.scratch`` the engine writes (a proposer or policy may read them, never write):
 # "proposer": the proposer's name (e.g. for per-proposer statistics); "batch_size": rows decoded together this
-# step, set before each choice of k; "batch_step": a :class:`BatchStep`, set before a batched ``update``.
-ENGINE_SCRATCH_KEYS = ("proposer", "batch_size", "batch_step")
+# step, set before each choice of k; "batch_step": a :class:`BatchStep`, set before a batched ``update``;
+# "max_node_budget": the proposer's ``tree`` option (0: it drafts chains only), set when the request starts;
+# "drafted_tree": (nodes, depth) of the tree this row's step drafted, or None for a chain, set before ``update``.
+ENGINE_SCRATCH_KEYS = ("proposer", "batch_size", "batch_step", "max_node_budget", "drafted_tree")
+# The key a γ policy may write in ``choose``/``choose_batch``: the node budget a tree-drafting proposer uses this
+# step (0: a chain; absent: its own ``tree`` option, which it never exceeds).
+NODE_BUDGET = "node_budget"
 
 
 class BatchStep(TypedDict):
@@ -55,6 +60,8 @@ class BatchStep(TypedDict):
     draft_time: float  # seconds: choosing k and all rows' drafting
     verify_time: float  # seconds: the target's pass and the rule
     batch_size: int  # rows in the step
+    tree_rows: int  # rows that drafted a tree
+    depth: int  # the deepest draft: a chain's k, a tree's depth
 
 
 @dataclass

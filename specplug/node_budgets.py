@@ -1,0 +1,137 @@
+"""The cost-model policy's node budget: whether a tree-drafting proposer drafts a tree this step, and how big.
+
+A proposer built with ``tree=N`` may be asked for a smaller tree or a chain (``seq.scratch[NODE_BUDGET]``). The
+policy weighs each candidate budget as it weighs k: expected tokens of the step over its seconds, with the
+scoring pass priced by the positions a tree of that budget actually puts in it (nodes + 1, measured in the
+same table as chains' passes) and the drafting by the seconds a tree level cost. A tree's acceptance is kept
+per budget as a chain's α is kept: the share of depths passed, a step trying levels until its path stops
+(accepted + 1 if the path ended before the tree's depth), so ``expected_tokens(α_b, depth)`` prices it.
+
+Each budget, the chain among them, is tried a few steps before its α counts (``TREE_TRIALS``, per proposer, so
+later requests start from what earlier ones learnt), and again after ``TREE_RETRY`` steps not chosen; a budget that could not beat
+the chain even if every level were accepted is never tried. A tree must beat the best chain by
+``TREE_MARGIN`` to be chosen: measured costs are noisy and a tree that buys nothing should lose the tie.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .metrics import expected_tokens
+
+TREE_TRIALS = 3  # steps a budget drafts before its measured α decides
+TREE_RETRY = 128  # steps without a budget after which it is tried again (acceptance drifts within a request)
+TREE_MARGIN = 1.02  # a tree's predicted rate must beat the best chain's by this factor
+DECAY = 0.9  # weight of older tree steps in a budget's sums
+
+
+def candidate_budgets(max_budget: int) -> list[int]:
+    """Budgets worth weighing below a proposer's ``tree`` option: 8, 16, 32, 64 under it, and it."""
+    if max_budget <= 0:
+        return []
+    return sorted({b for b in (8, 16, 32, 64) if b < max_budget} | {max_budget})
+
+
+@dataclass
+class BudgetRecord:
+    """A budget's decayed sums for one proposer: depths passed and tried, nodes drafted, seconds a tree level
+    cost a row to draft; ``steps`` it drafted and steps since it last did."""
+
+    successes: float = 0.0
+    trials: float = 0.0
+    nodes: float = 0.0
+    level_seconds: float = 0.0
+    weight: float = 0.0
+    steps: int = 0
+    since: int = 0
+
+    def add(self, accepted: int, nodes: int, depth: int, draft_seconds: float) -> None:
+        tried = accepted + (accepted < depth)
+        self.successes = DECAY * self.successes + accepted
+        self.trials = DECAY * self.trials + tried
+        self.weight = DECAY * self.weight + 1
+        self.nodes = DECAY * self.nodes + nodes
+        self.level_seconds = DECAY * self.level_seconds + draft_seconds / max(depth, 1)
+        self.steps, self.since = self.steps + 1, 0
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / self.trials if self.trials else 0.0
+
+    @property
+    def mean_nodes(self) -> float:
+        return self.nodes / self.weight if self.weight else 0.0
+
+    @property
+    def mean_level_seconds(self) -> float:
+        return self.level_seconds / self.weight if self.weight else 0.0
+
+
+@dataclass
+class NodeBudgets:
+    """Per proposer and budget, what trees earned and cost; per request, each budget's α (starting from the
+    proposer's)."""
+
+    records: dict[tuple[str, int], BudgetRecord] = field(default_factory=dict)
+    request_decay: float = 0.8
+
+    def record(self, proposer: str, budget: int) -> BudgetRecord:
+        return self.records.setdefault((proposer, budget), BudgetRecord())
+
+    def request_alpha(self, seq, budget: int) -> float:
+        """This request's α for trees of ``budget`` (decayed per request, from the proposer's record)."""
+        sums = seq.scratch.setdefault("node-budgets", {})
+        if budget not in sums:
+            rec = self.record(seq.scratch.get("proposer", ""), budget)
+            sums[budget] = [rec.alpha, 1.0]
+        s, t = sums[budget]
+        return s / t
+
+    def observe_chain(self, seq, accepted: int, k: int, draft_seconds: float) -> None:
+        """A step of this request drafted a chain of k (the chain's own α lives in the policy)."""
+        self.record(seq.scratch.get("proposer", ""), 0).add(accepted, k, k, draft_seconds)
+
+    def observe(self, seq, budget: int, accepted: int, nodes: int, depth: int, draft_seconds: float) -> None:
+        """A step of this request drafted a tree of ``nodes`` nodes and ``depth`` levels under ``budget``."""
+        self.request_alpha(seq, budget)  # creates the request's sums if needed
+        sums = seq.scratch["node-budgets"][budget]
+        tried = accepted + (accepted < depth)
+        sums[0] = self.request_decay * sums[0] + accepted
+        sums[1] = self.request_decay * sums[1] + tried
+        self.record(seq.scratch.get("proposer", ""), budget).add(accepted, nodes, depth, draft_seconds)
+
+    def choose(self, seqs, max_ks: list[int], batch_size: int, chain_k: int, chain_rate: float, costs,
+               chain_draft) -> tuple[int, int]:
+        """(budget, depth) for this step, budget 0 meaning the chain of ``chain_k``: the candidate budget whose
+        predicted tokens per second beat ``chain_rate`` by TREE_MARGIN, or one still to be tried. ``costs``
+        prices scoring (``verify_time(n, B)``); ``chain_draft(k, rows)`` a chain's drafting, the price of an
+        unmeasured tree level."""
+        max_budget = min((s.scratch.get("max_node_budget", 0) for s in seqs), default=0)
+        budgets = candidate_budgets(max_budget)
+        if not budgets or chain_k <= 0:
+            return 0, chain_k
+        proposer = seqs[0].scratch.get("proposer", "")
+        chain = self.record(proposer, 0)  # the chain's α must be measured too (a tree winning from the start)
+        chain.since += 1
+        if chain.steps < TREE_TRIALS or chain.since > TREE_RETRY:
+            return 0, chain_k
+        rows = sum(1 for m in max_ks if m > 0)
+        cap = max(max_ks)
+        best, choice = chain_rate * TREE_MARGIN, (0, chain_k)
+        for budget in budgets:
+            rec = self.record(proposer, budget)
+            rec.since += 1
+            trying = rec.steps < TREE_TRIALS or rec.since > TREE_RETRY
+            alphas = [1.0] * len(seqs) if trying else [self.request_alpha(s, budget) for s in seqs]
+            nodes = budget if rec.steps == 0 else max(1.0, rec.mean_nodes)
+            scoring = costs.verify_time(int(round(nodes)) + 1, batch_size)
+            if scoring is None:
+                continue
+            for depth in range(1, cap + 1):
+                tokens = sum(expected_tokens(a, min(depth, m)) for a, m in zip(alphas, max_ks))
+                level = rec.mean_level_seconds * rows if rec.steps else (chain_draft(1, rows) or 0.0)
+                rate = tokens / (level * depth + scoring)
+                if trying and rate > chain_rate:  # it could pay: try it at the chain's depth
+                    return budget, chain_k
+                if not trying and rate > best:
+                    best, choice = rate, (budget, depth)
+        return choice
