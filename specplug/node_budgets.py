@@ -5,7 +5,8 @@ policy weighs each candidate budget as it weighs k: expected tokens of the step 
 scoring pass priced by the positions a tree of that budget actually puts in it (nodes + 1, measured in the
 same table as chains' passes) and the drafting by the seconds a tree level cost. A tree's acceptance is kept
 per budget as a chain's α is kept: the share of depths passed, a step trying levels until its path stops
-(accepted + 1 if the path ended before the tree's depth), so ``expected_tokens(α_b, depth)`` prices it.
+(accepted + 1 if the path ended before the tree's depth), so ``expected_tokens(α_b, depth)`` prices it; a
+request's α for a budget is its own chain α moved by the budget's gain over the chain (:meth:`NodeBudgets.alpha`).
 
 Each budget, the chain among them, is tried a few steps before its α counts (``TREE_TRIALS``, per proposer, so
 later requests start from what earlier ones learnt), and again after ``TREE_RETRY`` steps not chosen; a budget that could not beat
@@ -68,39 +69,29 @@ class BudgetRecord:
 
 @dataclass
 class NodeBudgets:
-    """Per proposer and budget, what trees earned and cost; per request, each budget's α (starting from the
-    proposer's)."""
+    """Per proposer and budget (0: the chain), what its steps earned and cost. A request's α for a budget is its
+    own chain α with the budget's rejection rate relative to the chain's applied: a tree is judged by how much
+    it gains over the chain across requests, so an easy or hard request does not make a tree look better than
+    the chain it is compared with."""
 
     records: dict[tuple[str, int], BudgetRecord] = field(default_factory=dict)
-    request_decay: float = 0.8
 
     def record(self, proposer: str, budget: int) -> BudgetRecord:
         return self.records.setdefault((proposer, budget), BudgetRecord())
 
-    def request_alpha(self, seq, budget: int) -> float:
-        """This request's α for trees of ``budget`` (decayed per request, from the proposer's record)."""
-        sums = seq.scratch.setdefault("node-budgets", {})
-        if budget not in sums:
-            rec = self.record(seq.scratch.get("proposer", ""), budget)
-            sums[budget] = [rec.alpha, 1.0]
-        s, t = sums[budget]
-        return s / t
-
-    def observe_chain(self, seq, accepted: int, k: int, draft_seconds: float) -> None:
-        """A step of this request drafted a chain of k (the chain's own α lives in the policy)."""
-        self.record(seq.scratch.get("proposer", ""), 0).add(accepted, k, k, draft_seconds)
+    def alpha(self, proposer: str, budget: int, chain_alpha: float) -> float:
+        """A request's α for trees of ``budget``, from its chain α: 1 − (1 − α_chain)·(1 − α_b)/(1 − α_0), α_b
+        and α_0 the proposer's for the budget and for the chain."""
+        chain, tree = self.record(proposer, 0).alpha, self.record(proposer, budget).alpha
+        ratio = (1 - tree) / max(1 - chain, 1e-3)
+        return min(max(1 - (1 - chain_alpha) * ratio, 0.0), 0.999)
 
     def observe(self, seq, budget: int, accepted: int, nodes: int, depth: int, draft_seconds: float) -> None:
-        """A step of this request drafted a tree of ``nodes`` nodes and ``depth`` levels under ``budget``."""
-        self.request_alpha(seq, budget)  # creates the request's sums if needed
-        sums = seq.scratch["node-budgets"][budget]
-        tried = accepted + (accepted < depth)
-        sums[0] = self.request_decay * sums[0] + accepted
-        sums[1] = self.request_decay * sums[1] + tried
+        """A step of this request drafted ``nodes`` nodes ``depth`` levels deep under ``budget`` (0: a chain)."""
         self.record(seq.scratch.get("proposer", ""), budget).add(accepted, nodes, depth, draft_seconds)
 
-    def choose(self, seqs, max_ks: list[int], batch_size: int, chain_k: int, chain_rate: float, costs,
-               chain_draft) -> tuple[int, int]:
+    def choose(self, seqs, chain_alphas: list[float], max_ks: list[int], batch_size: int, chain_k: int,
+               chain_rate: float, costs, chain_draft) -> tuple[int, int]:
         """(budget, depth) for this step, budget 0 meaning the chain of ``chain_k``: the candidate budget whose
         predicted tokens per second beat ``chain_rate`` by TREE_MARGIN, or one still to be tried. ``costs``
         prices scoring (``verify_time(n, B)``); ``chain_draft(k, rows)`` a chain's drafting, the price of an
@@ -121,7 +112,7 @@ class NodeBudgets:
             rec = self.record(proposer, budget)
             rec.since += 1
             trying = rec.steps < TREE_TRIALS or rec.since > TREE_RETRY
-            alphas = [1.0] * len(seqs) if trying else [self.request_alpha(s, budget) for s in seqs]
+            alphas = [1.0] * len(seqs) if trying else [self.alpha(proposer, budget, a) for a in chain_alphas]
             nodes = budget if rec.steps == 0 else max(1.0, rec.mean_nodes)
             scoring = costs.verify_time(int(round(nodes)) + 1, batch_size)
             if scoring is None:

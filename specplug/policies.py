@@ -392,7 +392,7 @@ class CostModelPolicy(GammaPolicy):
         self._probe_row = None  # the sequence the last one-row step drafted in (measured again, if it can)
         self._probing = False  # the last batch choice was a probe
         self._empty_row = None  # the row whose probe drafted nothing (the next probe tries another)
-        self.budgets = NodeBudgets(request_decay=decay)  # tree-drafting proposers: the node budget (node_budgets)
+        self.budgets = NodeBudgets()  # tree-drafting proposers: the node budget (node_budgets)
 
     def _state(self, seq) -> dict:
         key = f"policy:{self.name}"
@@ -526,7 +526,8 @@ class CostModelPolicy(GammaPolicy):
             alphas = [self._alpha(s) for s in seqs]
             cap = min(self.max_gamma, max(max_ks))
             rate = self._rates(_step_tokens(alphas, max_ks, cap), max_ks, batch_size, cap)[min(k, cap)]
-            budget, k = self.budgets.choose(seqs, max_ks, batch_size, k, rate, self.costs, self.costs.draft_time)
+            budget, k = self.budgets.choose(seqs, alphas, max_ks, batch_size, k, rate, self.costs,
+                                            self.costs.draft_time)
         for s in seqs:
             s.scratch[NODE_BUDGET] = budget
             self._state(s)["budget"] = budget
@@ -598,7 +599,7 @@ class CostModelPolicy(GammaPolicy):
             self.budgets.observe(seq, budget, accepted, nodes, depth, draft_time)
             return
         if seq.scratch.get("max_node_budget"):
-            self.budgets.observe_chain(seq, accepted, proposed, draft_time)
+            self.budgets.observe(seq, 0, accepted, proposed, proposed, draft_time)
         trials = accepted + (accepted < proposed)
         state["successes"] = self.decay * state["successes"] + accepted
         state["trials"] = self.decay * state["trials"] + trials
