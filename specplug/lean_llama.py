@@ -236,7 +236,8 @@ class LeanLayer:
         prefill) skips them for the others.
 
         ``visible`` (with ``keep=0``): a [T, cache.length + T] bool mask or its :class:`Visibility` (planned once
-        for all layers): query i attends over exactly the keys its row marks, in cache order, instead of the causal prefix (a tree: the prefix and the node's ancestors)."""
+        for all layers): query i attends over exactly the keys its row marks, in cache order, instead of the
+        causal prefix (a tree: the prefix and the node's ancestors)."""
         T, start = x.shape[0], cache.length
         q, k, v = self._qkv(x, cos, sin)
         keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))

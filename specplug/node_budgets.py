@@ -8,10 +8,11 @@ per budget as a chain's α is kept: the share of depths passed, a step trying le
 (accepted + 1 if the path ended before the tree's depth), so ``expected_tokens(α_b, depth)`` prices it; a
 request's α for a budget is its own chain α moved by the budget's gain over the chain (:meth:`NodeBudgets.alpha`).
 
-Each budget, the chain among them, is tried a few steps before its α counts (``TREE_TRIALS``, per proposer, so
-later requests start from what earlier ones learnt), and again after ``TREE_RETRY`` steps not chosen; a budget that could not beat
-the chain even if every level were accepted is never tried. A tree must beat the best chain by
-``TREE_MARGIN`` to be chosen: measured costs are noisy and a tree that buys nothing should lose the tie.
+Each budget, the chain among them, is tried a few steps before its α counts (``TREE_TRIALS``, per proposer,
+so later requests start from what earlier ones learnt), and again after ``TREE_RETRY`` steps not chosen; a
+budget that could not beat the chain even if every level were accepted is never tried. A tree must beat the
+best chain by ``TREE_MARGIN`` to be chosen: measured costs are noisy and a tree that buys nothing should lose
+the tie.
 """
 from __future__ import annotations
 
@@ -80,8 +81,8 @@ class NodeBudgets:
         return self.records.setdefault((proposer, budget), BudgetRecord())
 
     def alpha(self, proposer: str, budget: int, chain_alpha: float) -> float:
-        """A request's α for trees of ``budget``, from its chain α: 1 − (1 − α_chain)·(1 − α_b)/(1 − α_0), α_b
-        and α_0 the proposer's for the budget and for the chain."""
+        """A request's α for trees of ``budget``, from its chain α: 1 − (1 − α_chain)·(1 − α_b)/(1 − α_0),
+        α_b and α_0 the proposer's for the budget and for the chain."""
         chain, tree = self.record(proposer, 0).alpha, self.record(proposer, budget).alpha
         ratio = (1 - tree) / max(1 - chain, 1e-3)
         return min(max(1 - (1 - chain_alpha) * ratio, 0.0), 0.999)

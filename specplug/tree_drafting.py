@@ -2,7 +2,8 @@
 candidates, and dynamic trees grown from a drafter run level by level.
 
 A proposer with ``tree=N`` (N > 0) may return a :class:`~specplug.verifier.TreeProposal` of at most N nodes and
-depth at most k; ``tree=0`` keeps its chain. :func:`best_first` builds a tree of deterministic candidates: it
+depth at most k; ``tree=0`` keeps its chain. A γ policy may lower the budget per step (:func:`node_budget`; 0: the
+chain). :func:`best_first` builds a tree of deterministic candidates: it
 adds the chain of first choices, then nodes in order of their path probability (the product of the
 candidates' probabilities root to node), so a node always follows its parent and its higher-ranked siblings,
 and stops at the budget. Every node is a
