@@ -9,8 +9,9 @@ per budget as a chain's α is kept: the share of depths passed, a step trying le
 request's α for a budget is its own chain α moved by the budget's gain over the chain (:meth:`NodeBudgets.alpha`).
 
 Each budget, the chain among them, is tried a few steps before its α counts (``TREE_TRIALS``, per proposer,
-so later requests start from what earlier ones learnt), and again after ``TREE_RETRY`` steps not chosen; a
-budget that could not beat the chain even if every level were accepted is never tried. A tree must beat the
+so later requests start from what earlier ones learnt), and again after ``TREE_RETRY`` steps not chosen (twice
+as long after each retry that lost, up to 16×); a budget that could not beat the chain even if every level
+were accepted, at the level cost measured for trees, is never tried. A tree must beat the
 best chain by ``TREE_MARGIN`` to be chosen: measured costs are noisy and a tree that buys nothing should lose
 the tie.
 """
@@ -22,6 +23,7 @@ from .metrics import expected_tokens
 
 TREE_TRIALS = 3  # steps a budget drafts before its measured α decides
 TREE_RETRY = 128  # steps without a budget after which it is tried again (acceptance drifts within a request)
+MAX_RETRY = 16 * TREE_RETRY  # the longest wait a budget that keeps losing reaches
 TREE_MARGIN = 1.02  # a tree's predicted rate must beat the best chain's by this factor
 DECAY = 0.9  # weight of older tree steps in a budget's sums
 
@@ -45,6 +47,12 @@ class BudgetRecord:
     weight: float = 0.0
     steps: int = 0
     since: int = 0
+    wait: int = TREE_RETRY  # steps unchosen before the next retry: doubled by each retry that did not win
+
+    @property
+    def due(self) -> bool:
+        """Still to be tried, or unchosen long enough to be tried again."""
+        return self.steps < TREE_TRIALS or self.since > self.wait
 
     def add(self, accepted: int, nodes: int, depth: int, draft_seconds: float) -> None:
         tried = accepted + (accepted < depth)
@@ -104,7 +112,7 @@ class NodeBudgets:
         proposer = seqs[0].scratch.get("proposer", "")
         chain = self.record(proposer, 0)  # the chain's α must be measured too (a tree winning from the start)
         chain.since += 1
-        if chain.steps < TREE_TRIALS or chain.since > TREE_RETRY:
+        if chain.due:
             return 0, chain_k
         rows = sum(1 for m in max_ks if m > 0)
         cap = max(max_ks)
@@ -112,18 +120,31 @@ class NodeBudgets:
         for budget in budgets:
             rec = self.record(proposer, budget)
             rec.since += 1
-            trying = rec.steps < TREE_TRIALS or rec.since > TREE_RETRY
+            trying = rec.due
             alphas = [1.0] * len(seqs) if trying else [self.alpha(proposer, budget, a) for a in chain_alphas]
             nodes = budget if rec.steps == 0 else max(1.0, rec.mean_nodes)
             scoring = costs.verify_time(int(round(nodes)) + 1, batch_size)
+            level = self._level_seconds(proposer, budget, budgets, chain_draft(1, rows)) * rows
             if scoring is None:
                 continue
             for depth in range(1, cap + 1):
                 tokens = sum(expected_tokens(a, min(depth, m)) for a, m in zip(alphas, max_ks))
-                level = rec.mean_level_seconds * rows if rec.steps else (chain_draft(1, rows) or 0.0)
                 rate = tokens / (level * depth + scoring)
-                if trying and rate > chain_rate:  # it could pay: try it at the chain's depth
+                if trying and rate > chain_rate:  # it could pay even if every level were accepted: try it
+                    if rec.steps >= TREE_TRIALS:  # a retry: the next one waits longer unless this budget wins
+                        rec.wait = min(2 * rec.wait, MAX_RETRY)
                     return budget, chain_k
                 if not trying and rate > best:
                     best, choice = rate, (budget, depth)
+        if choice[0]:
+            self.record(proposer, choice[0]).wait = TREE_RETRY
         return choice
+
+    def _level_seconds(self, proposer: str, budget: int, budgets: list[int], chain_token: float | None) -> float:
+        """Seconds a row drafts one level of a tree of ``budget``: measured; else as the nearest measured
+        budget's levels (a level's cost follows the tree's width more than its budget); else a chain token's."""
+        measured = [b for b in budgets if self.record(proposer, b).steps]
+        if not measured:
+            return chain_token or 0.0
+        nearest = min(measured, key=lambda b: (abs(b - budget), b))
+        return self.record(proposer, nearest).mean_level_seconds
