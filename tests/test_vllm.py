@@ -184,18 +184,42 @@ def test_compare_peer_vllm_reports_schema_valid_rows_with_greedy_tokens_equal_to
     prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
     html = tmp_path / "report.html"
     result = CliRunner().invoke(main, [
-        "compare", "--target", "zoo:pycode", "--matmul-dtype", "float32", "-p", "suffix", "-w", str(prompts),
+        "compare", "--target", "zoo:pycode", "--matmul-dtype", "float32", "-p", "ngram:q=counts", "-p", "suffix", "-w",
+        str(prompts),
         "--gammas", "3", "--temperatures", "0", "--max-new-tokens", "24", "--peer", "vllm", "--json",
         "--html", str(html)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     jsonschema.validate(report, json.loads((resources.files("specplug") / "bench" / "compare.schema.json").read_text()))
     peer = {p["peer"]: p for p in report["peer"]}
-    assert set(peer) == {"vllm-target-only", "vllm-specplug-suffix"}
+    assert set(peer) == {"vllm-target-only", "vllm-specplug-ngram:q=counts", "vllm-specplug-suffix"}
     assert peer["vllm-target-only"]["ours"] == "target-only" and peer["vllm-specplug-suffix"]["ours"] == "suffix"
     assert all(p["greedy_equal_to_ours"] is True and p["ours_over_peer"] > 0 for p in peer.values())
+    # every engine's own τ, though three were alive (vLLM's metrics registry keeps only the newest engine's)
+    assert peer["vllm-specplug-ngram:q=counts"]["mean_acceptance_length"] > 1
     assert peer["vllm-specplug-suffix"]["mean_acceptance_length"] >= 1
     assert "vllm-specplug-suffix" in html.read_text()
+
+
+def test_load_bench_peer_vllm_reports_tau_and_greedy_equality_for_every_engine_and_batch_size(vllm_env, tmp_path):
+    """vLLM's own ngram, started last: in-process (as here), vLLM 0.32 cannot start an engine after one that
+    imported numba (its kernel rebinding scan trips over llvmlite's objects); the CLI's engines run in their
+    own processes."""
+    from click.testing import CliRunner
+
+    from specplug.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
+    result = CliRunner().invoke(main, [
+        "compare", "--target", "zoo:pycode", "--matmul-dtype", "float32", "-p", "ngram", "-w", str(prompts),
+        "--batch-sizes", "1,2", "--requests", "2", "--gammas", "3", "--temperatures", "0", "--max-new-tokens", "24",
+        "--repeats", "1", "--peer", "vllm", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = {(r["peer"], r["batch_size"]): r for r in json.loads(result.stdout)["peer"]}
+    assert set(rows) == {(p, B) for p in ("vllm-target-only", "vllm-ngram") for B in (1, 2)}
+    assert all(r["greedy_equal_to_ours"] is True and r["goodput_tokens_per_s"] > 0 for r in rows.values())
+    assert all(rows[("vllm-ngram", B)]["mean_acceptance_length"] > 1 for B in (1, 2))
 
 
 # --- without an engine ---------------------------------------------------------------------------------

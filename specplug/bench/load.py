@@ -108,8 +108,8 @@ def run_load(target: Target, proposer_specs: Sequence[ProposerSpec | str], *,
              peer=None) -> dict:
     """Measure goodput and per-token latency per (variant, batch size); return a JSON-able report
     (schema ``specplug.load/1``). ``proposer_specs`` are ProposerSpec or ``name:key=value`` strings.
-    ``peer`` (a :class:`specplug.bench.peer_vllm.VLLMPeer`) runs the same requests after each batch size's
-    variants, in the same repeat; its rows go to ``report["peer"]``."""
+    ``peer`` (a :class:`specplug.bench.peer_vllm.VLLMPeer`) runs the same requests after all of ours, one engine
+    alive at a time (an idle vLLM engine slows the other cells); its rows go to ``report["peer"]``."""
     specs = [s if isinstance(s, ProposerSpec) else ProposerSpec.parse(s) for s in proposer_specs]
     specs, skipped = attachable(target, specs)
     prompts = list(prompts or DEFAULT_PROMPTS)
@@ -128,11 +128,12 @@ def run_load(target: Target, proposer_specs: Sequence[ProposerSpec | str], *,
                     _run(target, v, prompts, B, max_new_tokens, temperature, 1000 * rep, requests))
                 if progress is not None:
                     progress(1, f"B={B} {v.label}")
-            if peer is not None:  # the same requests and seeds as _run's
-                rows = [prompts[i % len(prompts)] for i in range(requests)]
-                seeds = [SamplingParams(temperature=temperature, seed=1000 * rep + i) for i in range(requests)]
-                for label, g, r in peer.load_runs(rows, seeds, max_new_tokens, B):
-                    peer_runs.setdefault((label, g, B), []).append(r)
+    if peer is not None:  # the same requests and seeds as _run's, in the same order, after all of ours
+        rows = [prompts[i % len(prompts)] for i in range(requests)]
+        work = [(B, rows, [SamplingParams(temperature=temperature, seed=1000 * rep + i) for i in range(requests)])
+                for rep in range(repeats) for B in batch_sizes]
+        for label, g, B, r in peer.load_runs(work, max_new_tokens):
+            peer_runs.setdefault((label, g, B), []).append(r)
     report = _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new_tokens, len(prompts),
                      requests, temperature, repeats)
     if peer is not None:

@@ -1,7 +1,9 @@
 """vLLM on the same target, prompts, temperatures and γ as ``specplug compare`` (``--peer vllm``).
 
-One engine per vLLM method and γ, started once and kept for the whole run so that its runs interleave with
-ours (prompt by prompt, as the HF peer's do). The matching methods:
+``compare``: one engine per vLLM method and γ, started at the first prompt and kept for the whole run so that
+its runs interleave with ours (prompt by prompt, as the HF peer's do). The load bench runs vLLM after all of
+ours, one engine alive at a time (started, warmed up, run at every batch size and repeat, shut down): an idle
+engine's processes slowed our cells by ~15% here. The matching methods:
 
 ========================  ==========================================  ====================
 vLLM                      speculative_config                          ours
@@ -14,8 +16,10 @@ vLLM                      speculative_config                          ours
                           vLLM (:mod:`specplug.integrations.vllm`)     model-free plugins)
 ========================  ==========================================  ====================
 
-τ is vLLM's own: 1 + accepted / drafts from its ``spec_decode`` counters (``llm.get_metrics()``), read
-before and after each run. The engine runs the products in the target's matmul dtype (float32 targets in
+τ is vLLM's own: 1 + accepted / drafts from the ``spec_decoding_stats`` its scheduler reports each step, tallied
+per engine by a stat logger of ours (:class:`SpecDecodeTally`, with the methods of vLLM's ``StatLoggerBase``)
+and read before and after each run. Not ``llm.get_metrics()``: each engine's Prometheus logger unregisters
+the previous engines' metrics, so with several engines alive only the newest one's counters can be read. The engine runs the products in the target's matmul dtype (float32 targets in
 float32), one request at a time here; its worker's CPU threads follow vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
 (default: vLLM's own choice, which keeps one core for its scheduler process). ``SPECPLUG_VLLM_EAGER=1``
 skips vLLM's compilation (faster start, slower steps: for tests and quick looks).
@@ -41,6 +45,7 @@ import torch
 from specplug import zoo
 from specplug.integrations.vllm import engine_kwargs, require_vllm
 from specplug.metrics import GenerationStats
+from specplug.sampling import GREEDY
 from specplug.plugins import get_proposer
 
 PREFIX = "vllm-"
@@ -174,16 +179,48 @@ def _quiet_stdout() -> None:
 
 def start_engine(model: str, *, dtype: str = "float32", max_num_seqs: int = 1, max_model_len: int = 2048,
                  enforce_eager: bool = False, seed: int = 0, **options):
-    """A ``vllm.LLM`` for ``model`` with vLLM's statistics on; this process keeps its torch thread count."""
+    """A ``vllm.LLM`` for ``model`` with vLLM's statistics on and a :class:`SpecDecodeTally` of its own (read by
+    :func:`counters`); this process keeps its torch thread count."""
     _quiet_stdout()
     vllm = require_vllm()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_GIB)  # GiB; vLLM's default takes far more
     threads = torch.get_num_threads()  # vLLM drops the caller's torch threads to 1 "for serving"
     try:
-        return vllm.LLM(model=model, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                        enforce_eager=enforce_eager, seed=seed, disable_log_stats=False, **options)
+        llm = vllm.LLM(model=model, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                       enforce_eager=enforce_eager, seed=seed, disable_log_stats=False, **options)
     finally:
         torch.set_num_threads(threads)
+    tally = SpecDecodeTally()
+    llm.llm_engine.logger_manager.stat_loggers.append(tally)  # the manager calls each of its loggers every step
+    llm.specplug_tally = tally
+    return llm
+
+
+class SpecDecodeTally:
+    """One engine's speculative-decoding counts, summed from the stats its scheduler reports every step: a
+    stat logger with the methods of vLLM's ``StatLoggerBase`` that its ``StatLoggerManager`` calls."""
+
+    def __init__(self):
+        self.counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0) -> None:
+        spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if spec is not None:
+            self.counts["drafts"] += spec.num_drafts
+            self.counts["draft_tokens"] += spec.num_draft_tokens
+            self.counts["accepted"] += spec.num_accepted_tokens
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+        pass
+
+    def record_admission_rejection(self, reason: str) -> None:
+        pass
 
 
 def shutdown(llm) -> None:
@@ -194,14 +231,8 @@ def shutdown(llm) -> None:
 
 
 def counters(llm) -> dict[str, int]:
-    """vLLM's cumulative speculative-decoding counters (drafts, draft tokens, accepted tokens)."""
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
-    out = dict.fromkeys(names.values(), 0)
-    for metric in llm.get_metrics():
-        if metric.name in names:
-            out[names[metric.name]] += int(metric.value)
-    return out
+    """This engine's cumulative speculative-decoding counts (drafts, draft tokens, accepted tokens)."""
+    return dict(llm.specplug_tally.counts)
 
 
 def sampling_params(sampling, max_new_tokens: int):
@@ -287,7 +318,8 @@ def render_load(rows: list[dict], console=None) -> None:
 
 class VLLMPeer:
     """The ``--peer vllm`` runner: ``peer(prompt, sampling, max_new_tokens, gammas)`` yields
-    ``((label, γ), PeerRun)`` for every vLLM method, as :class:`specplug.bench.peer_hf.HFPeer` does."""
+    ``((label, γ), PeerRun)`` for every vLLM method, as :class:`specplug.bench.peer_hf.HFPeer` does;
+    :meth:`load_runs` runs the load bench's requests one engine at a time."""
 
     def __init__(self, target, specs, gammas: Iterable[int], *, enforce_eager: bool | None = None,
                  max_num_seqs: int = 1):
@@ -300,20 +332,22 @@ class VLLMPeer:
         self.dtype = str(target.matmul_dtype or target.dtype).replace("torch.", "")
         self.methods, self.skipped = methods_for(target, specs)
         self.ours = {m.label: m.ours for m in self.methods}
-        self.enforce_eager = enforce_eager
-        self.engines: dict[tuple[str, int], object] = {}
-        for method in self.methods:
-            for g in ([0] if method.speculative is None else list(gammas)):
-                self.engines[(method.label, g)] = start_engine(self.model, dtype=self.dtype,
-                                                               enforce_eager=enforce_eager,
-                                                               max_num_seqs=max_num_seqs,
-                                                               **method.engine_options(g))
+        self.enforce_eager, self.max_num_seqs = enforce_eager, max_num_seqs
+        self.options = {(m.label, g): m.engine_options(g)
+                        for m in self.methods for g in ([0] if m.speculative is None else list(gammas))}
+        self.engines: dict[tuple[str, int], object] = {}  # compare's, alive from its first prompt to close()
+
+    def _start(self, key: tuple[str, int]):
+        return start_engine(self.model, dtype=self.dtype, enforce_eager=self.enforce_eager,
+                            max_num_seqs=self.max_num_seqs, **self.options[key])
 
     @property
     def runs_per_prompt(self) -> int:
-        return len(self.engines)
+        return len(self.options)
 
     def __call__(self, prompt, sampling, max_new_tokens, gammas):
+        if not self.engines:
+            self.engines = {key: self._start(key) for key in self.options}
         ids = self.target.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = sampling_params(sampling, max_new_tokens)
         for (label, g), llm in self.engines.items():
@@ -323,17 +357,24 @@ class VLLMPeer:
             stats.record_step(0, 0, 0, len(tokens), wall)
             yield (label, g), PeerRun(stats, tokens, c["drafts"], c["draft_tokens"], c["accepted"])
 
-    def load_runs(self, prompts: Sequence[str], samplings: Sequence, max_new_tokens: int, B: int):
-        """The load bench's run at batch size B for every engine: yields ``(label, γ, run dict)`` with
-        goodput, tokens per row and vLLM's counters, the fields :mod:`specplug.bench.load` reports."""
-        ids = [self.target.encode(p) for p in prompts]
-        params = [sampling_params(s, max_new_tokens) for s in samplings]
-        for (label, g), llm in self.engines.items():
-            tokens, wall, c = run_capped(llm, ids, params, B)
-            time.sleep(IDLE_SPIN_S)
-            n = sum(map(len, tokens))
-            yield label, g, {"wall_s": wall, "tokens": n, "goodput": n / wall if wall else None,
-                             "tokens_by_row": tokens, **c}
+    def load_runs(self, work: Sequence[tuple[int, Sequence[str], Sequence]], max_new_tokens: int):
+        """The load bench's runs, one engine alive at a time: for each engine, started and warmed up, every
+        ``(B, prompts, samplings)`` of ``work`` in order, then shut down. Yields ``(label, γ, B, run dict)``
+        with goodput, tokens per row and the engine's counters, the fields :mod:`specplug.bench.load` reports."""
+        encoded = [(B, [self.target.encode(p) for p in prompts], [sampling_params(s, max_new_tokens) for s in samplings])
+                   for B, prompts, samplings in work]
+        for key in self.options:
+            llm = self._start(key)
+            try:
+                B, ids, _ = encoded[0]
+                run_capped(llm, ids[:B], [sampling_params(GREEDY, 8)] * len(ids[:B]), B)  # warm-up: first steps
+                for B, ids, params in encoded:
+                    tokens, wall, c = run_capped(llm, ids, params, B)
+                    n = sum(map(len, tokens))
+                    yield (*key, B, {"wall_s": wall, "tokens": n, "goodput": n / wall if wall else None,
+                                     "tokens_by_row": tokens, **c})
+            finally:
+                shutdown(llm)
 
     def load_rows(self, peer_runs: dict, runs: dict, temperature: float) -> list[dict]:
         """The load report's peer rows: per engine and batch size, goodput, vLLM's τ, ours over vLLM (paired
