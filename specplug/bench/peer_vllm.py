@@ -24,8 +24,9 @@ float32), one request at a time here; its worker's CPU threads follow vLLM's ``V
 (default: vLLM's own choice, which keeps one core for its scheduler process). ``SPECPLUG_VLLM_EAGER=1``
 skips vLLM's compilation (faster start, slower steps: for tests and quick looks).
 
-The engines live for the whole run, so a cross-request cache inside vLLM (``vllm-specplug-suffix``) keeps
-learning across temperatures, workloads and repeats, where ours starts afresh per cell and repeat.
+In ``compare`` the engines live for the whole run, so a cross-request cache inside vLLM (``vllm-specplug-suffix``)
+keeps learning across temperatures, workloads and repeats, where ours starts afresh per cell and repeat; the
+load bench starts such an engine afresh for every run.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ PREFIX = "vllm-"
 # loop, 1 s): waited out after each run so that the spin never overlaps our next measured run
 IDLE_SPIN_S = 1.1
 DEFAULT_KV_GIB = "1"
+WARM_UP_PROMPT = "def f(x):\n"  # an engine's first steps, on no request of the bench
 
 
 @dataclass(frozen=True)
@@ -359,22 +361,30 @@ class VLLMPeer:
 
     def load_runs(self, work: Sequence[tuple[int, Sequence[str], Sequence]], max_new_tokens: int):
         """The load bench's runs, one engine alive at a time: for each engine, started and warmed up, every
-        ``(B, prompts, samplings)`` of ``work`` in order, then shut down. Yields ``(label, γ, B, run dict)``
-        with goodput, tokens per row and the engine's counters, the fields :mod:`specplug.bench.load` reports."""
+        ``(B, prompts, samplings)`` of ``work`` in order, then shut down; a specplug proposer inside vLLM gets a
+        fresh engine per run, as ours gets a fresh proposer (a suffix cache kept across runs would have seen
+        the very requests before). Yields ``(label, γ, B, run dict)`` with goodput, tokens per row and the
+        engine's counters, the fields :mod:`specplug.bench.load` reports."""
         encoded = [(B, [self.target.encode(p) for p in prompts], [sampling_params(s, max_new_tokens) for s in samplings])
                    for B, prompts, samplings in work]
         for key in self.options:
-            llm = self._start(key)
+            stateful = key[0].startswith(PREFIX + "specplug-")
+            llm = None
             try:
-                B, ids, _ = encoded[0]
-                run_capped(llm, ids[:B], [sampling_params(GREEDY, 8)] * len(ids[:B]), B)  # warm-up: first steps
                 for B, ids, params in encoded:
+                    if llm is None:
+                        llm = self._start(key)
+                        run_requests(llm, [self.target.encode(WARM_UP_PROMPT)], sampling_params(GREEDY, 8))
                     tokens, wall, c = run_capped(llm, ids, params, B)
                     n = sum(map(len, tokens))
                     yield (*key, B, {"wall_s": wall, "tokens": n, "goodput": n / wall if wall else None,
                                      "tokens_by_row": tokens, **c})
+                    if stateful:
+                        shutdown(llm)
+                        llm = None
             finally:
-                shutdown(llm)
+                if llm is not None:
+                    shutdown(llm)
 
     def load_rows(self, peer_runs: dict, runs: dict, temperature: float) -> list[dict]:
         """The load report's peer rows: per engine and batch size, goodput, vLLM's τ, ours over vLLM (paired
