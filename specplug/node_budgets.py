@@ -124,9 +124,9 @@ class NodeBudgets:
             alphas = [1.0] * len(seqs) if trying else [self.alpha(proposer, budget, a) for a in chain_alphas]
             nodes = budget if rec.steps == 0 else max(1.0, rec.mean_nodes)
             scoring = costs.verify_time(int(round(nodes)) + 1, batch_size)
-            level = self._level_seconds(proposer, budget, budgets, chain_draft(1, rows)) * rows
             if scoring is None:
                 continue
+            level = self._level_seconds(proposer, budget, budgets, chain_draft(1, rows)) * rows
             for depth in range(1, cap + 1):
                 tokens = sum(expected_tokens(a, min(depth, m)) for a, m in zip(alphas, max_ks))
                 rate = tokens / (level * depth + scoring)

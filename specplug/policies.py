@@ -530,7 +530,6 @@ class CostModelPolicy(GammaPolicy):
                                             self.costs.draft_time)
         for s in seqs:
             s.scratch[NODE_BUDGET] = budget
-            self._state(s)["budget"] = budget
         return ks if budget == 0 else [min(k, m) for m in max_ks]
 
     def choose_batch(self, seqs, max_ks):
@@ -595,7 +594,7 @@ class CostModelPolicy(GammaPolicy):
             return
         if shape is not None:
             nodes, depth = shape
-            budget = state.get("budget") or nodes  # a tree the policy did not ask for: keyed by its size
+            budget = seq.scratch.get(NODE_BUDGET) or nodes  # a tree the policy did not ask for: keyed by its size
             self.budgets.observe(seq, budget, accepted, nodes, depth, draft_time)
             return
         if seq.scratch.get("max_node_budget"):

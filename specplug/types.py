@@ -61,7 +61,6 @@ class BatchStep(TypedDict):
     verify_time: float  # seconds: the target's pass and the rule
     batch_size: int  # rows in the step
     tree_rows: int  # rows that drafted a tree
-    depth: int  # the deepest draft: a chain's k, a tree's depth
 
 
 @dataclass

@@ -19,7 +19,8 @@ vLLM                      speculative_config                          ours
 τ is vLLM's own: 1 + accepted / drafts from the ``spec_decoding_stats`` its scheduler reports each step, tallied
 per engine by a stat logger of ours (:class:`SpecDecodeTally`, with the methods of vLLM's ``StatLoggerBase``)
 and read before and after each run. Not ``llm.get_metrics()``: each engine's Prometheus logger unregisters
-the previous engines' metrics, so with several engines alive only the newest one's counters can be read. The engine runs the products in the target's matmul dtype (float32 targets in
+the previous engines' metrics, so with several engines alive only the newest one's counters can be read.
+The engine runs the products in the target's matmul dtype (float32 targets in
 float32), one request at a time here; its worker's CPU threads follow vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
 (default: vLLM's own choice, which keeps one core for its scheduler process). ``SPECPLUG_VLLM_EAGER=1``
 skips vLLM's compilation (faster start, slower steps: for tests and quick looks).
@@ -365,7 +366,8 @@ class VLLMPeer:
         fresh engine per run, as ours gets a fresh proposer (a suffix cache kept across runs would have seen
         the very requests before). Yields ``(label, γ, B, run dict)`` with goodput, tokens per row and the
         engine's counters, the fields :mod:`specplug.bench.load` reports."""
-        encoded = [(B, [self.target.encode(p) for p in prompts], [sampling_params(s, max_new_tokens) for s in samplings])
+        ids_of = {p: self.target.encode(p) for _, prompts, _ in work for p in prompts}  # each prompt once
+        encoded = [(B, [ids_of[p] for p in prompts], [sampling_params(s, max_new_tokens) for s in samplings])
                    for B, prompts, samplings in work]
         for key in self.options:
             stateful = key[0].startswith(PREFIX + "specplug-")
