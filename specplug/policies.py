@@ -334,14 +334,48 @@ def _between(points: list[tuple[int, float]], x: float) -> float | None:
     return None
 
 
-def _step_tokens(alphas: list[float], max_ks: list[int], cap: int) -> list[float]:
+@dataclass(frozen=True)
+class Acceptance:
+    """A request's acceptance as two rates: its first drafted token is accepted with probability ``first``,
+    each later one, once the token before it was, with ``then``.
+
+    Why two: drafts are accepted in streaks (a copied span matches from its first token or not at all; on
+    the zoo, ngram's first token is kept 0.74 of the time and each later one 0.92), and one i.i.d. α priced
+    long drafts too low after a few first-token rejections, switching drafting off where γ = 4 paid."""
+
+    first: float
+    then: float
+    # reach[d - 1]: how often the proposer drafts at least d tokens when asked for d or more (ngram drafts
+    # nothing without a match, and no further than its match); beyond the tuple, always
+    reach: tuple[float, ...] = ()
+
+    @classmethod
+    def of(cls, value: "Acceptance | float") -> "Acceptance":
+        """``value`` itself, or an i.i.d. α as the two equal rates."""
+        return value if isinstance(value, Acceptance) else cls(float(value), float(value))
+
+    def expected(self, k: int) -> float:
+        """Tokens a step asking for k drafts emits on average (the target's own token included)."""
+        if not self.reach:
+            return 1.0 + self.first * expected_tokens(self.then, k - 1) if k > 0 else 1.0
+        reach = list(self.reach[:k]) + [1.0] * (k - len(self.reach))
+        return 1.0 + self.first * sum(r * self.then ** d for d, r in enumerate(reach))
+
+
+def _step_tokens(acceptances: list["Acceptance | float"], max_ks: list[int], cap: int) -> list[float]:
     """Expected tokens all rows emit in a step drafting k = 0..cap (each row capped by its max_k), computed
     once for a choice's two passes over k."""
     tokens = [0.0] * (cap + 1)
-    for alpha, m in zip(alphas, max_ks):
+    for acceptance, m in zip(acceptances, max_ks):
+        acceptance = Acceptance.of(acceptance)
         for k in range(cap + 1):
-            tokens[k] += expected_tokens(alpha, min(k, m))
+            tokens[k] += acceptance.expected(min(k, m))
     return tokens
+
+
+def _count(sums: list[float], successes: float, trials: float, decay: float) -> None:
+    """Decay the [successes, trials] pair ``sums`` and add a step's counts."""
+    sums[0], sums[1] = decay * sums[0] + successes, decay * sums[1] + trials
 
 
 def _ewma(old: float, new: float, decay: float) -> float:
@@ -349,9 +383,13 @@ def _ewma(old: float, new: float, decay: float) -> float:
 
 
 class CostModelPolicy(GammaPolicy):
-    """Choose k in 0..max_gamma maximising expected_tokens(α, k) / (draft_time(k) + verify_time(k + 1)).
+    """Choose k in 0..max_gamma maximising the expected tokens of a k-token draft over draft_time(k) +
+    verify_time(k + 1).
 
-    α is estimated per request (decayed), starting from the proposer's running mean over earlier requests.
+    The expected tokens come from an :class:`Acceptance` estimated per request (decayed): how often its first
+    drafted token is accepted, and how often each later one is once the one before it was; each starts from
+    the proposer's running rates over earlier requests. (The single α, accepted over tried positions, is kept
+    too: node budgets and reports read it.)
     Costs are measured, never assumed: at a batch size with no estimate (nothing measured there or at a
     larger batch size, which bounds it: see :meth:`MeasuredCosts.verify_time`) it first runs a plain step
     (k = 0), then MEASURE_K drafted tokens in every row, twice (the first pays the drafter's backlog), then
@@ -379,12 +417,16 @@ class CostModelPolicy(GammaPolicy):
     name = "cost-model"
 
     def __init__(self, max_gamma: int = 8, decay: float = 0.8, prior_alpha: float = 0.6, probe_every: int = 16,
-                 costs: MeasuredCosts | None = None, switch_on_margin: float = 0.1):
+                 costs: MeasuredCosts | None = None, switch_on_margin: float = 0.1, rate_decay: float = 0.95):
         self.max_gamma, self.decay, self.prior_alpha, self.probe_every = max_gamma, decay, prior_alpha, probe_every
+        self.rate_decay = rate_decay
         self.switch_on_margin = switch_on_margin
         self.costs = costs or MeasuredCosts(decay)
         self.alpha_by_proposer: dict[str, float] = {}
-        self._proposer_sums: dict[str, list[float]] = {}  # decayed [accepted, tried] per proposer
+        self.acceptance_by_proposer: dict[str, Acceptance] = {}
+        self._reach: dict[str, list[list[float]]] = {}  # per proposer and depth: decayed [drafted, asked]
+        # decayed [accepted, tried] per proposer: all positions, first positions, later positions
+        self._proposer_sums: dict[str, dict[str, list[float]]] = {}
         self._batch_idle, self._batch_wait = 0, probe_every
         self._batch_k = 1  # the last batch choice (stale costs are re-measured only while drafting)
         self._last_step: dict | None = None
@@ -397,24 +439,42 @@ class CostModelPolicy(GammaPolicy):
     def _state(self, seq) -> dict:
         key = f"policy:{self.name}"
         if key not in seq.scratch:
-            prior = self.alpha_by_proposer.get(seq.scratch.get("proposer", ""), self.prior_alpha)
-            # α as decayed successes / trials; a step tries positions until its first rejection
-            seq.scratch[key] = {"successes": prior, "trials": 1.0, "idle": 0, "wait": self.probe_every}
+            proposer = seq.scratch.get("proposer", "")
+            prior = self.alpha_by_proposer.get(proposer, self.prior_alpha)
+            rates = self.acceptance_by_proposer.get(proposer, Acceptance(self.prior_alpha, self.prior_alpha))
+            # rates as decayed successes / trials, each seeded with one trial at the proposer's rate; a step
+            # tries positions until its first rejection
+            seq.scratch[key] = {"successes": prior, "trials": 1.0, "first": [rates.first, 1.0],
+                                "then": [rates.then, 1.0], "idle": 0, "wait": self.probe_every}
         return seq.scratch[key]
 
     def _alpha(self, seq) -> float:
         state = self._state(seq)
         return state["successes"] / state["trials"]
 
+    def _acceptance(self, seq) -> Acceptance:
+        state = self._state(seq)
+        (first, tried), (then, later) = state["first"], state["then"]
+        reach = self._reach.get(seq.scratch.get("proposer", ""), [])
+        return Acceptance(first / tried, then / later, tuple(got / asked for got, asked in reach))
+
+    def _count_reach(self, seq, asked: int, proposed: int) -> None:
+        """How far the proposer drafted against how far it was asked, per depth (decayed)."""
+        reach = self._reach.setdefault(seq.scratch.get("proposer", ""), [])
+        reach += [[1.0, 1.0] for _ in range(asked - len(reach))]  # seeded as always reaching
+        for d in range(asked):
+            _count(reach[d], proposed > d, 1.0, 0.95)
+
     def begin(self, seq):
         self._state(seq)
 
-    def best_k(self, alpha: float, max_k: int, batch_size: int = 1, off: bool = False,
+    def best_k(self, acceptance: Acceptance | float, max_k: int, batch_size: int = 1, off: bool = False,
                drafting: bool = True) -> int:
-        k = self._best([alpha], [max_k], batch_size, off, drafting)
+        """The k one request with this acceptance (an i.i.d. α, or two rates) drafts now."""
+        k = self._best([acceptance], [max_k], batch_size, off, drafting)
         return min(MEASURE_K, max_k) if k < 0 else k
 
-    def _best(self, alphas: list[float], max_ks: list[int], batch_size: int, off: bool = False,
+    def _best(self, acceptances: list[Acceptance | float], max_ks: list[int], batch_size: int, off: bool = False,
               drafting: bool = True) -> int:
         """The k (capped per row by max_ks) maximising the rows' expected tokens per second of one step."""
         cap = min(self.max_gamma, max(max_ks))
@@ -429,7 +489,7 @@ class CostModelPolicy(GammaPolicy):
             # then drafting that measures a longer scoring pass and what drafting in these rows costs:
             # MEASURE_K tokens in each, twice in a row, since the first also pays the drafter's backlog
             return -1
-        tokens = _step_tokens(alphas, max_ks, cap)
+        tokens = _step_tokens(acceptances, max_ks, cap)
         rates = self._rates(tokens, max_ks, batch_size, cap)
         best = max(rates)
         # Explore a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago) if
@@ -506,13 +566,14 @@ class CostModelPolicy(GammaPolicy):
     def _choose(self, seq, max_k):
         state = self._state(seq)
         batch_size = seq.scratch.get("batch_size", 1)
-        k = self.best_k(self._alpha(seq), max_k, batch_size, state["idle"] > 0, state.get("k", 1) > 0)
+        k = self.best_k(self._acceptance(seq), max_k, batch_size, state["idle"] > 0, state.get("k", 1) > 0)
         can_probe = k == 0 and self._could_pay([max_k], batch_size)
         k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, can_probe)
         state["probing"] = can_probe and k > 0
         state["k"] = k
         if seq.scratch.get("max_node_budget"):
             k = self._with_budget([seq], [max_k], batch_size, [k], state["probing"])[0]
+        state["asked"] = k
         return k
 
     def _with_budget(self, seqs, max_ks: list[int], batch_size: int, ks: list[int], probing: bool) -> list[int]:
@@ -525,7 +586,8 @@ class CostModelPolicy(GammaPolicy):
         if measured and not probing and self.costs.draft_time(1, sum(1 for m in max_ks if m > 0)) is not None:
             alphas = [self._alpha(s) for s in seqs]
             cap = min(self.max_gamma, max(max_ks))
-            rate = self._rates(_step_tokens(alphas, max_ks, cap), max_ks, batch_size, cap)[min(k, cap)]
+            tokens = _step_tokens([self._acceptance(s) for s in seqs], max_ks, cap)
+            rate = self._rates(tokens, max_ks, batch_size, cap)[min(k, cap)]
             budget, k = self.budgets.choose(seqs, alphas, max_ks, batch_size, k, rate, self.costs,
                                             self.costs.draft_time)
         for s in seqs:
@@ -536,11 +598,14 @@ class CostModelPolicy(GammaPolicy):
         """One k for the whole step (each row capped by its own max_k); a probe drafts one token in one row
         only (the likeliest to be accepted), which is all it needs to learn whether α has changed."""
         with self._frozen():
-            return self._choose_batch(seqs, max_ks)
+            ks = self._choose_batch(seqs, max_ks)
+        for seq, k in zip(seqs, ks):
+            self._state(seq)["asked"] = k
+        return ks
 
     def _choose_batch(self, seqs, max_ks):
-        alphas = [self._alpha(s) for s in seqs]
-        k = self._best(alphas, list(max_ks), len(seqs), self._batch_idle > 0, self._batch_k > 0)
+        acceptances = [self._acceptance(s) for s in seqs]
+        k = self._best(acceptances, list(max_ks), len(seqs), self._batch_idle > 0, self._batch_k > 0)
         tree = bool(seqs[0].scratch.get("max_node_budget"))
         if k < 0:  # measuring
             ks = [min(MEASURE_K, m) for m in max_ks]
@@ -550,18 +615,19 @@ class CostModelPolicy(GammaPolicy):
         k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, can_probe)
         self._batch_k = k
         self._probing = idle and k > 0
-        ks = self._one_row(seqs, alphas, max_ks) if self._probing else [min(k, m) for m in max_ks]
+        firsts = [a.first for a in acceptances]
+        ks = self._one_row(seqs, firsts, max_ks) if self._probing else [min(k, m) for m in max_ks]
         return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
 
-    def _one_row(self, seqs, alphas: list[float], max_ks: list[int]) -> list[int]:
+    def _one_row(self, seqs, firsts: list[float], max_ks: list[int]) -> list[int]:
         """k = 1 in one row: the one measured last step if it can draft (its drafter has no backlog), else the
-        likeliest to be accepted."""
+        likeliest to have its first token accepted (``firsts``)."""
         ready = [j for j, m in enumerate(max_ks) if m > 0]
         ready = [j for j in ready if seqs[j] is not self._empty_row] or ready
         ks = [0] * len(max_ks)
         if ready:
             again = [j for j in ready if seqs[j] is self._probe_row]
-            j = again[0] if again else max(ready, key=lambda j: alphas[j])
+            j = again[0] if again else max(ready, key=lambda j: firsts[j])
             ks[j], self._probe_row = 1, seqs[j]
         return ks
 
@@ -590,6 +656,8 @@ class CostModelPolicy(GammaPolicy):
             if state.pop("probing", False) and proposed == 0:  # probe again next step
                 state["wait"] = max(self.probe_every, state["wait"] // 2)
                 state["idle"] = state["wait"]
+        if shape is None and state.get("asked"):
+            self._count_reach(seq, state["asked"], proposed)
         if proposed == 0:
             return
         if shape is not None:
@@ -602,12 +670,21 @@ class CostModelPolicy(GammaPolicy):
         trials = accepted + (accepted < proposed)
         state["successes"] = self.decay * state["successes"] + accepted
         state["trials"] = self.decay * state["trials"] + trials
-        # the proposer's running α, a ratio of decayed sums as per request: a mean of per-step ratios
+        # later positions are tried only after an accepted first one
+        later = (accepted - 1 + (accepted < proposed), accepted - 1) if accepted and proposed > 1 else None
+        _count(state["first"], accepted > 0, 1.0, self.rate_decay)
+        if later:
+            _count(state["then"], later[1], later[0], self.rate_decay)
+        # the proposer's running rates, ratios of decayed sums as per request: a mean of per-step ratios
         # accepted / trials is biased low
         proposer = seq.scratch.get("proposer", "")
-        sums = self._proposer_sums.setdefault(proposer, [self.prior_alpha, 1.0])
-        sums[0], sums[1] = 0.95 * sums[0] + accepted, 0.95 * sums[1] + trials
-        self.alpha_by_proposer[proposer] = sums[0] / sums[1]
+        sums = self._proposer_sums.setdefault(proposer, {part: [self.prior_alpha, 1.0] for part in ("all", "first", "then")})
+        _count(sums["all"], accepted, trials, 0.95)
+        _count(sums["first"], accepted > 0, 1.0, 0.95)
+        if later:
+            _count(sums["then"], later[1], later[0], 0.95)
+        self.alpha_by_proposer[proposer] = sums["all"][0] / sums["all"][1]
+        self.acceptance_by_proposer[proposer] = Acceptance(*(sums[p][0] / sums[p][1] for p in ("first", "then")))
 
 
 @hookimpl

@@ -47,15 +47,13 @@ def test_cost_model_chooses_no_speculation_when_drafts_are_never_accepted(tiny_t
 def test_cost_model_drafts_the_best_predicted_length_not_the_shortest_near_it(tiny_target):
     """Where several lengths predict nearly the same rate, the best one: a tie margin among them drafted
     shorter than the best static γ in every load run."""
-    from specplug.policies import expected_tokens
-
     policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts(), probe_every=1000)
     seq = seq_state(tiny_target)
     policy.begin(seq)
-    for _ in range(30):  # α = 0.8: k = 5, 6, 7 within 1% of each other, 6 the best
-        policy.update(seq, 5, 4, 0.005, 0.013)
-    alpha = policy._alpha(seq)
-    rates = [expected_tokens(alpha, k) / (0.001 * k + 0.010 + 0.0005 * (k + 1)) for k in range(9)]
+    for _ in range(30):  # 6 of 7 drafts accepted: k = 5 within 1% of k = 6, the best
+        policy.update(seq, 7, 6, 0.007, 0.013)
+    acceptance = policy._acceptance(seq)
+    rates = [acceptance.expected(k) / (0.001 * k + 0.010 + 0.0005 * (k + 1)) for k in range(9)]
     best = max(range(9), key=lambda k: rates[k])
     assert min(k for k in range(1, 9) if rates[k] >= 0.99 * rates[best]) < best  # a near-tie exists
     assert policy.choose(seq, 8) == best
@@ -250,8 +248,9 @@ def test_cost_model_batch_choice_follows_the_scoring_cost_of_the_batch(tiny_targ
     seqs = [seq_state(tiny_target) for _ in range(8)]
     for seq in seqs:
         policy.begin(seq)
-        for _ in range(10):
-            policy.update(seq, 4, 3, 0.004, 0.013)  # α ≈ 0.75 in every row
+        for _ in range(5):  # in every row half the steps reject the first draft, half accept all four
+            policy.update(seq, 4, 0, 0.004, 0.013)
+            policy.update(seq, 4, 4, 0.004, 0.013)
     ks = policy.choose_batch(seqs, [8, 8, 8, 8, 8, 8, 8, 2])
     assert len(set(ks[:7])) == 1 and ks[7] == min(ks[0], 2)  # one k for the step, capped per row
     assert (ks[0] > 0) == expect_speculation
@@ -325,7 +324,8 @@ def test_cost_model_switches_back_on_only_for_a_clear_gain(tiny_target):
     # α = 0.2 with ControlledCosts: drafting one token is predicted 5% faster than not drafting
     policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=1000)
     seq = seq_state(tiny_target)
-    seq.scratch["policy:cost-model"] = {"successes": 0.2, "trials": 1.0, "idle": 0, "wait": 1000}
+    seq.scratch["policy:cost-model"] = {"successes": 0.2, "trials": 1.0, "first": [0.2, 1.0], "then": [0.2, 1.0],
+                                        "idle": 0, "wait": 1000}
     assert policy.choose(seq, 4) == 1  # speculating already: keep the better k
     seq.scratch["policy:cost-model"]["idle"] = 3
     assert policy.choose(seq, 4) == 0  # off: 5% does not repay every drafter's catching up
@@ -360,11 +360,12 @@ def test_cost_model_explores_a_dear_long_pass_once_and_then_stays_off(tiny_targe
     seq = seq_state(tiny_target)
     policy.begin(seq)
     assert run_with_true_costs(policy, seq, truth, 1.0, 2) == [0, MEASURE_K]  # a plain step, then a short draft
-    seq.scratch["policy:cost-model"].update(successes=0.9, trials=1.0)  # α = 0.9
+    seq.scratch["policy:cost-model"].update(successes=0.9, trials=1.0, first=[0.9, 1.0], then=[0.9, 1.0])  # α = 0.9
     chosen = run_with_true_costs(policy, seq, truth, 0.75, 2 * REMEASURE_AFTER)
-    # it measures drafting once more, tries 1 and then 4 tokens (each could have paid had its pass cost no
-    # more than a shorter measured one), finds both dear and stays off: a bounded price for not trusting the line
-    assert chosen[:4] == [MEASURE_K, 1, 4, 0] and set(chosen[4:]) == {0}
+    # it measures drafting once more, tries 1, 4 and 3 tokens (each could have paid had its pass cost no
+    # more than a shorter measured one; every first draft is accepted), finds each dear and stays off: each
+    # length tried once, a bounded price for not trusting the line
+    assert chosen[:4] == [MEASURE_K, 1, 4, 3] and set(chosen[4:]) == {0}
 
 
 def test_drafting_more_rows_is_never_estimated_cheaper_nor_fewer_rows_dearer():
@@ -389,6 +390,38 @@ def test_a_proposers_running_alpha_is_accepted_over_tried_not_a_mean_of_step_rat
     fresh = seq_state(tiny_target)
     fresh.scratch["proposer"] = "p"
     assert policy._alpha(fresh) == pytest.approx(0.8, abs=0.02)  # and a new request starts from it
+
+
+def test_cost_model_prices_drafts_accepted_in_streaks_by_their_first_and_later_acceptance(tiny_target):
+    """Half the steps reject the first draft, half accept all eight: a step drafting k emits 1 + k/2 tokens on
+    average. One i.i.d. α (8 accepted of 9 tried) would predict 5.9 for k = 8; the two rates predict 5."""
+    policy = CostModelPolicy(max_gamma=8)
+    seq = seq_state(tiny_target)
+    seq.scratch["proposer"] = "p"
+    policy.begin(seq)
+    for _ in range(100):
+        policy.update(seq, 8, 0, 0.001, 0.010)
+        policy.update(seq, 8, 8, 0.001, 0.010)
+    acceptance = policy._acceptance(seq)
+    assert acceptance.first == pytest.approx(0.5, abs=0.03) and acceptance.then == pytest.approx(1.0, abs=0.01)
+    for k in (1, 4, 8):
+        assert acceptance.expected(k) == pytest.approx(1 + k / 2, rel=0.03)
+    assert policy.acceptance_by_proposer["p"].expected(8) == pytest.approx(5.0, rel=0.03)  # what new requests start from
+
+
+def test_cost_model_prices_only_the_drafts_a_proposer_makes_when_asked(tiny_target):
+    """A proposer that drafts nothing on half the steps it is asked (ngram without a match) and otherwise has
+    every draft accepted: a step asking for k emits 1 + k/2 tokens on average, not k + 1."""
+    policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts(), probe_every=1000)
+    seq = seq_state(tiny_target)
+    seq.scratch["proposer"] = "p"
+    policy.begin(seq)
+    for step in range(100):
+        k = policy.choose(seq, 8)
+        drafted = 0 if step % 2 else k
+        policy.update(seq, drafted, drafted, 0.001 * drafted, 0.010)
+    assert k == 8
+    assert policy._acceptance(seq).expected(8) == pytest.approx(5.0, rel=0.05)
 
 
 def test_cost_model_measures_a_stale_dear_choice_again_so_one_unlucky_measurement_does_not_stick(tiny_target):
