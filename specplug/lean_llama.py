@@ -308,15 +308,16 @@ class LeanLayer:
         The products run once for all N rows (the weights are read once); attention runs per query over its
         own sequence's cache, as a one-token step would (see ``__call__``)."""
         q, k, v = self._qkv(x, cos, sin)
+        q = q * self.scaling  # once for all rows: an elementwise product rounds alike row by row or all at once
         outs, at = [], 0
         for b, (cache, n) in enumerate(zip(caches, counts)):
             start = cache.length
             keys, values = cache.append(k[at:at + n].transpose(0, 1), v[at:at + n].transpose(0, 1))
             mask = None if visible is None else visible[b]
             if mask is None:
-                outs += self._attend_each(q[at:at + n] * self.scaling, keys, values, start)
+                outs += self._attend_each(q[at:at + n], keys, values, start)
             else:
-                outs += list(self._attend_visible(q[at:at + n] * self.scaling, keys, values, mask, fused=False))
+                outs += list(self._attend_visible(q[at:at + n], keys, values, mask, fused=False))
             at += n
         return self._finish(x, torch.stack(outs).reshape(x.shape[0], -1))
 
