@@ -15,7 +15,6 @@ import numpy as np
 
 from specplug.plugins.hookspecs import hookimpl
 
-from .metrics import expected_tokens
 from .node_budgets import NodeBudgets
 from .types import NODE_BUDGET, SequenceState
 
@@ -74,6 +73,7 @@ REMEASURE_AFTER = 32  # steps at a batch size after which a measured scoring cos
 # drafted tokens a row in the two measuring steps: 2, not 1, so the drafting line's first point already
 # carries part of its slope (docs/policies.md, "Why it is built this way")
 MEASURE_K = 2
+PROPOSER_DECAY = 0.95  # weight of older steps in a proposer's running rates (across its requests)
 LINE_DECAY = 0.95  # weight of older drafting steps in the fixed + per-pass fit (slower than α's: k must vary)
 
 
@@ -354,12 +354,18 @@ class Acceptance:
         """``value`` itself, or an i.i.d. α as the two equal rates."""
         return value if isinstance(value, Acceptance) else cls(float(value), float(value))
 
+    def expected_upto(self, cap: int) -> list[float]:
+        """Tokens a step asking for k drafts emits on average (the target's own token included), k = 0..cap."""
+        out, reached, survive = [1.0], 0.0, 1.0
+        for d in range(cap):
+            reached += (self.reach[d] if d < len(self.reach) else 1.0) * survive
+            survive *= self.then
+            out.append(1.0 + self.first * reached)
+        return out
+
     def expected(self, k: int) -> float:
-        """Tokens a step asking for k drafts emits on average (the target's own token included)."""
-        if not self.reach:
-            return 1.0 + self.first * expected_tokens(self.then, k - 1) if k > 0 else 1.0
-        reach = list(self.reach[:k]) + [1.0] * (k - len(self.reach))
-        return 1.0 + self.first * sum(r * self.then ** d for d, r in enumerate(reach))
+        """Tokens a step asking for k drafts emits on average."""
+        return self.expected_upto(k)[k]
 
 
 def _step_tokens(acceptances: list["Acceptance | float"], max_ks: list[int], cap: int) -> list[float]:
@@ -367,15 +373,23 @@ def _step_tokens(acceptances: list["Acceptance | float"], max_ks: list[int], cap
     once for a choice's two passes over k."""
     tokens = [0.0] * (cap + 1)
     for acceptance, m in zip(acceptances, max_ks):
-        acceptance = Acceptance.of(acceptance)
+        row = Acceptance.of(acceptance).expected_upto(min(cap, m))
         for k in range(cap + 1):
-            tokens[k] += acceptance.expected(min(k, m))
+            tokens[k] += row[min(k, m)]
     return tokens
 
 
 def _count(sums: list[float], successes: float, trials: float, decay: float) -> None:
     """Decay the [successes, trials] pair ``sums`` and add a step's counts."""
     sums[0], sums[1] = decay * sums[0] + successes, decay * sums[1] + trials
+
+
+def _count_rates(first: list[float], then: list[float], accepted: int, proposed: int, decay: float) -> None:
+    """Count a chain step into the first-token and later-token [successes, trials] pairs: later positions are
+    tried only after an accepted first one, up to the first rejection."""
+    _count(first, accepted > 0, 1.0, decay)
+    if accepted and proposed > 1:
+        _count(then, accepted - 1, accepted - 1 + (accepted < proposed), decay)
 
 
 def _ewma(old: float, new: float, decay: float) -> float:
@@ -463,7 +477,7 @@ class CostModelPolicy(GammaPolicy):
         reach = self._reach.setdefault(seq.scratch.get("proposer", ""), [])
         reach += [[1.0, 1.0] for _ in range(asked - len(reach))]  # seeded as always reaching
         for d in range(asked):
-            _count(reach[d], proposed > d, 1.0, 0.95)
+            _count(reach[d], proposed > d, 1.0, PROPOSER_DECAY)
 
     def begin(self, seq):
         self._state(seq)
@@ -670,19 +684,13 @@ class CostModelPolicy(GammaPolicy):
         trials = accepted + (accepted < proposed)
         state["successes"] = self.decay * state["successes"] + accepted
         state["trials"] = self.decay * state["trials"] + trials
-        # later positions are tried only after an accepted first one
-        later = (accepted - 1 + (accepted < proposed), accepted - 1) if accepted and proposed > 1 else None
-        _count(state["first"], accepted > 0, 1.0, self.rate_decay)
-        if later:
-            _count(state["then"], later[1], later[0], self.rate_decay)
+        _count_rates(state["first"], state["then"], accepted, proposed, self.rate_decay)
         # the proposer's running rates, ratios of decayed sums as per request: a mean of per-step ratios
         # accepted / trials is biased low
         proposer = seq.scratch.get("proposer", "")
         sums = self._proposer_sums.setdefault(proposer, {part: [self.prior_alpha, 1.0] for part in ("all", "first", "then")})
-        _count(sums["all"], accepted, trials, 0.95)
-        _count(sums["first"], accepted > 0, 1.0, 0.95)
-        if later:
-            _count(sums["then"], later[1], later[0], 0.95)
+        _count(sums["all"], accepted, trials, PROPOSER_DECAY)
+        _count_rates(sums["first"], sums["then"], accepted, proposed, PROPOSER_DECAY)
         self.alpha_by_proposer[proposer] = sums["all"][0] / sums["all"][1]
         self.acceptance_by_proposer[proposer] = Acceptance(*(sums[p][0] / sums[p][1] for p in ("first", "then")))
 
