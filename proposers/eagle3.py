@@ -166,10 +166,10 @@ class Eagle3Layer(LeanLayer):
         residual = normed if self.norm_before_residual else hidden
         T, start = hidden.shape[0], cache.length
         q, k, v = self._qkv(torch.cat([self.norm_embeds(embeds), normed], dim=-1), cos, sin)
-        keys, values = cache.append(k.transpose(0, 1), v.transpose(0, 1))
+        cache.append(k.transpose(0, 1), v.transpose(0, 1))
         if 0 < keep < T:
             residual, q, start, T = residual[-keep:], q[-keep:], start + T - keep, keep
-        out = torch.stack(self._attend_each(q * self.scaling, keys, values, start))
+        out = self._attend_spans(q * self.scaling, [(cache.k, cache.v, start, T)])
         return self._finish(residual, out.reshape(T, -1))
 
 

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import few_rows, machine
+from . import attention_kernel, few_rows, machine
 from .int8_products import Int8Product
 
 # Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
@@ -200,6 +200,10 @@ class LeanLayer:
         self.down = Product(mlp.down_proj.weight, mlp.down_proj.bias, one_row_copy=copy, int8=int8)
         self.act = F.silu if type(mlp.act_fn) is torch.nn.SiLU else mlp.act_fn
         self.norm_in, self.norm_post = Norm(layer.input_layernorm), Norm(layer.post_attention_layernorm)
+        w = layer.input_layernorm.weight  # the caches' dtype (see new_cache)
+        # one form for every path of this layer (steps, verify passes, rows, tree nodes): they must round alike
+        self.kernel = attention_kernel.choose(self.heads, self.kv_heads, self.head_dim, w.dtype, w.device,
+                                              self._attend_by_torch)
 
     def products(self) -> tuple[Product, ...]:
         return self.qkv, self.gate_up, self.o, self.down
@@ -251,7 +255,7 @@ class LeanLayer:
             # position's logits are bit-identical to target-only decoding's wherever the products are
             # row-invariant (see few_rows). One call for all T queries would sum in another order, and with
             # bf16 products such last-bit differences grow until a greedy near-tie flips.
-            out = torch.stack(self._attend_each(q * self.scaling, keys, values, start))
+            out = self._attend_spans(q * self.scaling, [(cache.k, cache.v, start, T)])
         else:  # a prefill: query i sits at start + i and may see keys 0..start + i
             mask = (torch.arange(keys.shape[1], device=x.device)[None]
                     <= torch.arange(start, start + T, device=x.device)[:, None])
@@ -259,10 +263,18 @@ class LeanLayer:
                                                  enable_gqa=self.heads != self.kv_heads).transpose(0, 1)
         return self._finish(x, out.reshape(T, -1))
 
-    def _attend_each(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> list[torch.Tensor]:
-        """Queries q [T, heads, d] at positions start.. attend one by one, each over the keys up to its own.
-        q comes scaled (once for all rows, rather than each query's scores: one op a layer, not one a query)."""
-        return [self._attend_one(q[i], keys[:, :start + i + 1], values[:, :start + i + 1]) for i in range(q.shape[0])]
+    def _attend_spans(self, q: torch.Tensor, spans: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> torch.Tensor:
+        """Scaled queries q [N, heads, d] (scaled once for all rows, not each query's scores) attend one by one:
+        ``spans`` (keys, values, first, count) are runs of ``count`` consecutive queries over one cache's
+        keys/values [kv_heads, capacity, d], the i-th seeing its first ``first + i + 1`` entries -> [N, heads, d]."""
+        if self.kernel is not None:
+            return self.kernel(q, spans)
+        out, at = [], 0
+        for keys, values, first, count in spans:
+            out += [self._attend_one(q[at + i], keys[:, :first + i + 1], values[:, :first + i + 1])
+                    for i in range(count)]
+            at += count
+        return torch.stack(out)
 
     def _attend_visible(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                         visible: "Visibility", fused: bool = True) -> torch.Tensor:
@@ -289,10 +301,17 @@ class LeanLayer:
         return torch.stack(out)
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """Attention of one query q [heads, d] over keys/values [kv_heads, L, d] -> [heads, d]: two small
-        products and a softmax, about half the time of torch's fused attention on one query (CPU)."""
+        """Attention of one scaled query q [heads, d] over keys/values [kv_heads, L, d] (views of a cache's first
+        L entries) -> [heads, d], by this layer's form."""
+        if self.kernel is not None:
+            return self.kernel(q[None], [(keys, values, keys.shape[1] - 1, 1)])[0]
+        return self._attend_by_torch(q, keys, values)
+
+    def _attend_by_torch(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """torch's form of :meth:`_attend_one`: two small products and a softmax, about half the time of torch's
+        fused attention on one query (CPU)."""
         grouped = q.reshape(self.kv_heads, -1, q.shape[-1])  # the heads that share a kv head, as HF pairs them
-        scores = torch.bmm(grouped, keys.transpose(1, 2))  # q comes scaled (see _attend_each)
+        scores = torch.bmm(grouped, keys.transpose(1, 2))
         if scores.dtype == torch.float32:
             weights = torch.softmax(scores, -1)
         else:  # HF's eager attention: softmax in float32
@@ -309,17 +328,26 @@ class LeanLayer:
         own sequence's cache, as a one-token step would (see ``__call__``)."""
         q, k, v = self._qkv(x, cos, sin)
         q = q * self.scaling  # once for all rows: an elementwise product rounds alike row by row or all at once
-        outs, at = [], 0
+        chains, trees, at = [], [], 0
         for b, (cache, n) in enumerate(zip(caches, counts)):
             start = cache.length
             keys, values = cache.append(k[at:at + n].transpose(0, 1), v[at:at + n].transpose(0, 1))
             mask = None if visible is None else visible[b]
             if mask is None:
-                outs += self._attend_each(q[at:at + n], keys, values, start)
+                chains.append((at, (cache.k, cache.v, start, n)))
             else:
-                outs += list(self._attend_visible(q[at:at + n], keys, values, mask, fused=False))
+                trees.append((at, n, keys, values, mask))
             at += n
-        return self._finish(x, torch.stack(outs).reshape(x.shape[0], -1))
+        if not trees:
+            out = self._attend_spans(q, [span for _, span in chains])
+        else:  # the chains' queries in one call; each tree node over its own path (see _attend_visible)
+            out = torch.empty_like(q)
+            if chains:
+                picked = torch.cat([torch.arange(a, a + span[3], device=q.device) for a, span in chains])
+                out[picked] = self._attend_spans(q[picked], [span for _, span in chains])
+            for a, n, keys, values, mask in trees:
+                out[a:a + n] = self._attend_visible(q[a:a + n], keys, values, mask, fused=False)
+        return self._finish(x, out.reshape(x.shape[0], -1))
 
 
 class LeanCache:

@@ -1,0 +1,149 @@
+"""The lean forward's CPU attention kernel (``kernels/attend.c``): compiled on first use, cached, loaded by ctypes.
+
+Why: at batch 16 attention is half a target step, and it is bound by reading each row's float32 cache. torch's
+form makes two small products and a softmax per query, and every query of a verify pass reads its row's cache
+from memory again; the kernel runs every query head of a layer in one call on all cores, the next query of a row
+reading the row's cache from the core's cache. A query's result depends on its own inputs only (see the source),
+so a verified position still scores exactly as a one-token step does.
+
+The kernel is compiled for this CPU (``-march=native``) into ``$SPECPLUG_CACHE_DIR/kernels`` (default
+``~/.cache/specplug``), keyed by the source, the flags, the compiler and the CPU; without a C compiler, on
+another device or dtype, or where it is not faster (a probe, :mod:`specplug.machine`), torch's form runs, and
+:func:`specplug.machine.machine_choices` says which ran and why. ``SPECPLUG_CHOICES=attention=torch`` pins torch's.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from . import machine
+
+SOURCE = Path(__file__).with_name("kernels") / "attend.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+CHOICE = "attention"
+KERNEL, TORCH = "kernel", "torch"
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> tuple[ctypes.CDLL | None, str]:
+    """The compiled kernel, or None and why it is not available."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler on PATH (cc, gcc or $CC) to build the attention kernel"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        text = SOURCE.read_text(encoding="utf-8")
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, f"cannot run {compiler} or read {SOURCE.name}: {err}"
+    key = hashlib.sha256("\n".join([text, " ".join(FLAGS), version, machine._hardware()]).encode()).hexdigest()[:16]
+    target = machine.cache_path().parent / "kernels" / f"attend-{key}.so"
+    if not target.exists():
+        reason = _compile(compiler, target)
+        if reason:
+            return None, reason
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as err:
+        return None, f"cannot load the attention kernel {target}: {err}"
+    fn = lib.specplug_attend
+    fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
+    fn.restype = ctypes.c_int64
+    return lib, ""
+
+
+def _compile(compiler: str, target: Path) -> str:
+    """Build the kernel into ``target`` (atomically: concurrent builds each rename a whole file); "" or why not."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                 capture_output=True, text=True, timeout=300)
+            if run.returncode != 0:
+                return f"{compiler} could not build the attention kernel: {run.stderr.strip()[-300:]}"
+            os.replace(built, target)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"cannot build the attention kernel with {compiler}: {err}"
+    return ""
+
+
+class Attention:
+    """The kernel for one layer shape (``heads`` query heads over ``kv_heads`` cached ones, ``head_dim`` each)."""
+
+    def __init__(self, lib: ctypes.CDLL, heads: int, kv_heads: int, head_dim: int):
+        self.fn, self.heads, self.kv_heads, self.head_dim = lib.specplug_attend, heads, kv_heads, head_dim
+
+    def __call__(self, q: torch.Tensor, spans: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]]) -> torch.Tensor:
+        """Scaled queries q [N, heads, d], float32; ``spans``: (keys, values, first, count) for consecutive runs of
+        queries, ``count`` queries over the cache tensors keys/values [kv_heads, capacity, d] (a layer cache's own),
+        the i-th seeing its first ``first + i + 1`` entries. Returns [N, heads, d]."""
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        table = [[], [], [], []]  # per query: keys' and values' address, kv-head stride, visible length
+        for keys, values, first, count in spans:
+            kp, vp, stride = keys.data_ptr(), values.data_ptr(), keys.stride(0)
+            for i in range(count):
+                table[0].append(kp), table[1].append(vp), table[2].append(stride), table[3].append(first + i + 1)
+        ptrs = torch.tensor(table, dtype=torch.int64)
+        status = self.fn(q.shape[0], self.heads, self.kv_heads, self.head_dim, q.data_ptr(), out.data_ptr(),
+                         ptrs[0].data_ptr(), ptrs[1].data_ptr(), ptrs[2].data_ptr(), ptrs[3].data_ptr(),
+                         max(table[3], default=0))
+        if status:
+            raise RuntimeError(f"attention kernel failed (status {status}) for head_dim={self.head_dim}")
+        return out
+
+
+def supports(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int) -> str:
+    """"" where the kernel can run these shapes, else why not."""
+    if torch.device(device).type != "cpu":
+        return f"the attention kernel runs on the CPU, not {torch.device(device).type}"
+    if dtype != torch.float32:
+        return f"the attention kernel reads float32 caches, not {dtype}"
+    if head_dim > 128 or heads % kv_heads:
+        return f"the attention kernel takes head_dim up to 128 and whole groups of heads, not {heads}x{kv_heads}x{head_dim}"
+    return ""
+
+
+def choose(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+           torch_form: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> Attention | None:
+    """The kernel for a layer of these shapes, or None for torch's form (``torch_form(q, keys, values)``: one
+    query [heads, d] over keys/values [kv_heads, L, d]). Decided once per shape and machine, and listed by
+    :func:`specplug.machine.machine_choices` with the reason."""
+    key = f"{heads}x{kv_heads}x{head_dim} {dtype} {torch.device(device).type}"
+    pinned = machine.overrides().get(CHOICE)
+    lib, reason = load()
+    reason = reason or supports(dtype, device, heads, kv_heads, head_dim)
+    if reason:
+        if pinned == KERNEL:
+            raise ValueError(f"{machine.OVERRIDE_ENV}: {CHOICE}={KERNEL} is pinned, but {reason}")
+        machine.record(CHOICE, key, TORCH, reason, "default")
+        return None
+    kernel = Attention(lib, heads, kv_heads, head_dim)
+    rows, length, g = 4, 256, torch.Generator().manual_seed(0)
+    caches = [(torch.randn(kv_heads, length, head_dim, generator=g), torch.randn(kv_heads, length, head_dim, generator=g))
+              for _ in range(rows)]
+    q = torch.randn(2 * rows, heads, head_dim, generator=g) * head_dim ** -0.5
+    spans = [(k, v, length - 2, 2) for k, v in caches]
+
+    def by_torch():
+        return [torch_form(q[2 * r + i], k[:, :length - 1 + i], v[:, :length - 1 + i])
+                for r, (k, v) in enumerate(caches) for i in range(2)]
+
+    with torch.inference_mode():
+        got, want = kernel(q, spans), torch.stack(by_torch())
+    if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
+        machine.record(CHOICE, key, TORCH, f"the kernel differs from torch's form by "
+                       f"{float((got - want).abs().max()):.2g} on a probe", "kernel")
+        return None
+    forms = {KERNEL: lambda: kernel(q, spans), TORCH: by_torch}
+    nbytes = 2 * rows * kv_heads * length * head_dim * 4
+    return kernel if machine.faster(CHOICE, key, forms, KERNEL, nbytes) == KERNEL else None

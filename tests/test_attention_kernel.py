@@ -1,0 +1,99 @@
+"""The lean forward's CPU attention kernel: each query scores as it would alone, close to torch's attention, and a
+machine without a compiler runs torch's form and says why."""
+import pytest
+import torch
+
+from specplug import attention_kernel, machine
+
+
+def _caches(rows: int, kv_heads: int, head_dim: int, capacity: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(kv_heads, capacity, head_dim, generator=g), torch.randn(kv_heads, capacity, head_dim, generator=g))
+            for _ in range(rows)]
+
+
+def _kernel(heads: int, kv_heads: int, head_dim: int) -> attention_kernel.Attention:
+    lib, reason = attention_kernel.load()
+    if lib is None:
+        pytest.skip(reason)  # no C compiler here: the fallback is tested below
+    return attention_kernel.Attention(lib, heads, kv_heads, head_dim)
+
+
+def _each_query(spans):
+    """(index, keys, values, visible length) of every query the spans describe, in order."""
+    at = 0
+    for keys, values, first, count in spans:
+        for i in range(count):
+            yield at, keys, values, first + i + 1
+            at += 1
+
+
+def _by_torch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Reference attention of one query [heads, d] over [kv_heads, L, d], in float64."""
+    heads, kv_heads = q.shape[0], keys.shape[0]
+    k = keys.double().repeat_interleave(heads // kv_heads, 0)
+    v = values.double().repeat_interleave(heads // kv_heads, 0)
+    weights = torch.softmax(torch.einsum("hd,hld->hl", q.double(), k), -1)
+    return torch.einsum("hl,hld->hd", weights, v).float()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 8, 64), (8, 2, 128), (4, 2, 8), (2, 1, 40)])
+def test_attention_kernel_agrees_with_softmax_attention(heads, kv_heads, head_dim):
+    kernel = _kernel(heads, kv_heads, head_dim)
+    caches = _caches(3, kv_heads, head_dim, capacity=300)
+    # lengths below, at and across the kernel's 16-key blocks
+    spans = [(caches[0][0], caches[0][1], 0, 3), (caches[1][0], caches[1][1], 14, 4), (caches[2][0], caches[2][1], 250, 2)]
+    n = sum(count for *_, count in spans)
+    q = torch.randn(n, heads, head_dim, generator=torch.Generator().manual_seed(1)) * 3 * head_dim ** -0.5
+    got = kernel(q, spans)
+    for at, keys, values, length in _each_query(spans):
+        torch.testing.assert_close(got[at], _by_torch(q[at], keys[:, :length], values[:, :length]), atol=2e-5, rtol=1e-4)
+
+
+def test_attention_kernel_scores_each_query_as_it_would_alone():
+    """A verify pass (several queries per row, many rows, one call) gives every query the bits of its own
+    one-query call: the property that keeps speculative greedy output equal to target-only output."""
+    heads, kv_heads, head_dim = 8, 4, 64
+    kernel = _kernel(heads, kv_heads, head_dim)
+    caches = _caches(5, kv_heads, head_dim, capacity=400, seed=2)
+    spans = [(k, v, first, count) for (k, v), first, count in zip(caches, (7, 100, 31, 250, 0), (5, 1, 3, 9, 2))]
+    n = sum(count for *_, count in spans)
+    q = torch.randn(n, heads, head_dim, generator=torch.Generator().manual_seed(3)) * 4 * head_dim ** -0.5
+    together = kernel(q, spans)
+    for at, keys, values, length in _each_query(spans):
+        alone = kernel(q[at:at + 1], [(keys, values, length - 1, 1)])
+        assert torch.equal(together[at], alone[0]), f"query {at} differs when it shares the call"
+
+
+def test_lean_layers_run_the_kernel_or_say_why_not(tiny_dirs):
+    from specplug import Target
+    target = Target.from_pretrained(tiny_dirs["target"])
+    choices = [c for c in machine.machine_choices() if c.name == attention_kernel.CHOICE]
+    assert choices, "the attention form a lean layer runs is listed among the machine's choices"
+    lib, reason = attention_kernel.load()
+    uses_kernel = target.lean.layers[0].kernel is not None
+    assert uses_kernel == (lib is not None and choices[-1].value == attention_kernel.KERNEL)
+
+
+def test_without_a_compiler_attention_runs_torch_form_and_names_the_reason(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(attention_kernel.shutil, "which", lambda name: None)
+    attention_kernel.load.cache_clear()
+    machine.forget()
+    try:
+        chosen = attention_kernel.choose(8, 8, 64, torch.float32, "cpu", _by_torch)
+        assert chosen is None
+        [choice] = [c for c in machine.machine_choices() if c.name == attention_kernel.CHOICE]
+        assert choice.value == attention_kernel.TORCH and "/nonexistent/cc" in choice.why
+        monkeypatch.setenv(machine.OVERRIDE_ENV, "attention=kernel")
+        with pytest.raises(ValueError, match="attention=kernel is pinned"):
+            attention_kernel.choose(8, 8, 64, torch.float32, "cpu", _by_torch)
+    finally:
+        attention_kernel.load.cache_clear()
+        machine.forget()
+
+
+def test_attention_kernel_is_not_used_where_it_does_not_apply():
+    assert "float32" in attention_kernel.supports(torch.bfloat16, "cpu", 8, 8, 64)
+    assert "head_dim" in attention_kernel.supports(torch.float32, "cpu", 8, 8, 256)
+    assert "CPU" in attention_kernel.supports(torch.float32, "meta", 8, 8, 64)
