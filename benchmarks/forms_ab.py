@@ -72,13 +72,14 @@ def main() -> None:
                 rate, out = run(t, batch, proposer, prompts, args.gamma, args.tokens)
                 speed.setdefault((batch, proposer, s), []).append(rate)
                 greedy_equal[s] &= out == reference.setdefault((batch, s), out)
-    print(f"{'B':>3} {'proposer':<12}" + "".join(f"{s:>28}" for s in settings))
+    width = max(28, *(len(s) + 2 for s in settings))
+    print(f"{'B':>3} {'proposer':<12}" + "".join(f"{s:>{width}}" for s in settings))
     for batch, proposer in cells:
         base = statistics.median(speed[(batch, proposer, 'default')])
         line = f"{batch:>3} {proposer or 'target-only':<12}"
         for s in settings:
             rate = statistics.median(speed[(batch, proposer, s)])
-            line += f"{rate:>19.0f} tok/s" + (f" {rate / base:4.2f}x" if s != "default" else " " * 6)
+            line += f"{rate:>{width - 9}.0f} tok/s" + (f" {rate / base:4.2f}x" if s != "default" else " " * 6)
         print(line)
     print("greedy rows equal target-only's:", ", ".join(f"{s}: {'yes' if ok else 'NO'}" for s, ok in greedy_equal.items()))
 

@@ -17,7 +17,9 @@ form. Which form a kind of weight takes is timed once per machine (:func:`specpl
 ``install(model, weight_dtype=torch.bfloat16)`` instead keeps the linear weights in bfloat16 and multiplies in it
 (inputs cast down, products cast back), while everything else — embeddings, norms, attention, the residual
 stream, the KV cache — stays float32: the arithmetic of bf16-autocast training, without autocast's per-call
-weight casts. Where the CPU has native bf16 products it halves the bytes a step reads.
+weight casts. Where the CPU has native bf16 products it halves the bytes a step reads. A bf16 CPU weight may
+also be packed once for oneDNN (:func:`packed_copy`), which torch's ``F.linear`` otherwise does at every call;
+it is used only where its products give the very bits of unpacked ones.
 """
 from __future__ import annotations
 
@@ -79,17 +81,68 @@ def transposed(weight: torch.Tensor) -> bool:
     return found
 
 
-def product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One unsplit product of rows ``flat`` [N, in] (already in the weight's dtype): one row padded to two, and
-    float32 CPU products of up to MAX_ROWS rows in the form :func:`transposed` chose."""
+def product(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            packed: torch.Tensor | None = None) -> torch.Tensor:
+    """One unsplit product of rows ``flat`` [N, in] (already in the weight's dtype): one row padded to two,
+    through ``packed`` (the weight packed by :func:`packed_copy`) where given, and float32 CPU products of up to
+    MAX_ROWS rows in the form :func:`transposed` chose."""
     rows = flat.shape[0]
     if rows == 1:
         flat = torch.cat([flat, torch.zeros_like(flat)])
+    if packed is not None:
+        return _packed_product(flat, packed, bias)[:rows]
     if weight.dtype == torch.float32 and weight.device.type == "cpu" and flat.shape[0] <= MAX_ROWS \
             and transposed(weight):
         y = torch.mm(weight, flat.T).T[:rows].contiguous()
         return y if bias is None else y + bias
     return F.linear(flat, weight, bias)[:rows]
+
+
+PACKED = "oneDNN packed"
+
+
+def _packed_product(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+
+
+def _can_pack() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _same_bits_packed(out_features: int, in_features: int, bias: bool) -> bool:
+    """Whether products through the packed weight give the unpacked product's bits, on 1..PROBE_ROWS rows of
+    inputs that expose any change of summation order."""
+    w, x, b = _sensitive_inputs(out_features, in_features, torch.bfloat16, "cpu", bias)
+    with torch.inference_mode():
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        return all(torch.equal(product(x[:m], w, b, packed), product(x[:m], w, b)) for m in range(1, PROBE_ROWS + 1))
+
+
+def packed_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A copy of a bf16 CPU ``weight`` in oneDNN's packed layout, for :func:`linear`'s ``packed``, where products
+    through it give the very bits of products through ``weight`` (checked once per shape and machine) and run
+    faster (choice ``packed_bf16``); else None.
+
+    Why: torch's bf16 ``F.linear`` on the CPU reorders the weight for oneDNN at every call, which for a step's
+    few rows costs about as much as the product itself."""
+    if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 \
+            or not _can_pack():
+        return None
+    out_features, in_features = weight.shape
+    where = f"bfloat16 {out_features}x{in_features}{' +bias' if bias is not None else ''} cpu"
+    same = machine.remembered("packed_same_bits", where,
+                              lambda: "yes" if _same_bits_packed(out_features, in_features, bias is not None) else "no",
+                              lambda v: "packed products give the unpacked bits" if v == "yes"
+                              else "packed products round differently: not used")
+    if same != "yes":
+        return None
+    with torch.inference_mode():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    x = torch.randn(16, in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    forms = {PACKED: lambda: product(x, weight, bias, packed), "F.linear": lambda: product(x, weight, bias)}
+    chosen = machine.faster("packed_bf16", where, forms, PACKED, weight.numel() * weight.element_size())
+    return packed if chosen == PACKED else None
 
 
 def _sensitive_inputs(out_features: int, in_features: int, dtype, device, bias: bool):
@@ -147,10 +200,12 @@ def forget_probes() -> None:
     _transposed.clear()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in the weight's dtype (x cast to it and back, where the weights are kept
     narrower, see :func:`install`), each output row bit-identical to that row's one-row product wherever the
-    probe finds a row count > 1 that keeps it so (longer products run in pieces of that many rows)."""
+    probe finds a row count > 1 that keeps it so (longer products run in pieces of that many rows). ``packed``:
+    the weight as :func:`packed_copy` packed it (the same bits, faster)."""
     flat = x.reshape(-1, x.shape[-1])
     if weight.dtype != x.dtype:
         flat = flat.to(weight.dtype)
@@ -160,9 +215,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         n = identical_rows(weight, bias) if rows > 1 else rows
         if rows <= n or n < 2:
-            y = product(flat, weight, bias)
+            y = product(flat, weight, bias, packed)
         else:
-            y = torch.cat([product(piece, weight, bias) for piece in flat.split(n)])
+            y = torch.cat([product(piece, weight, bias, packed) for piece in flat.split(n)])
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 

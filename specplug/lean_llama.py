@@ -142,28 +142,31 @@ class Product:
     not round alike.
 
     ``int8`` (drafters only): the product keeps only an int8 copy of the weight (see
-    :mod:`specplug.int8_products`) and ``weight`` is None."""
+    :mod:`specplug.int8_products`) and ``weight`` is None. A bf16 CPU weight may also keep a oneDNN-packed copy
+    (:func:`few_rows.packed_copy`: the same bits, faster)."""
 
-    __slots__ = ("weight", "bias", "one_row", "int8")
+    __slots__ = ("weight", "bias", "one_row", "int8", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, one_row_copy: bool = False,
                  int8: bool = False):
         self.int8 = Int8Product(weight, bias) if int8 else None
         self.weight, self.bias = (None, None) if int8 else (weight, bias)
         self.one_row = _one_row_copy(weight, bias) if one_row_copy and not int8 else None
+        self.packed = None if int8 else few_rows.packed_copy(weight, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
             return self.int8(x)
         if self.one_row is not None and x.shape[0] == 1:
             return F.linear(x, self.one_row, self.bias)
-        return few_rows.linear(x, self.weight, self.bias)
+        return few_rows.linear(x, self.weight, self.bias, self.packed)
 
     def nbytes(self) -> int:
-        """Bytes of the one-row or int8 copy (the weight itself belongs to the model)."""
+        """Bytes of the one-row, int8 or packed copy (the weight itself belongs to the model)."""
         if self.int8 is not None:
             return self.int8.nbytes()
-        return 0 if self.one_row is None else self.one_row.numel() * self.one_row.element_size()
+        copies = [t for t in (self.one_row, self.packed) if t is not None]
+        return sum(t.numel() * t.element_size() for t in copies)
 
 
 def _one_row_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -148,3 +148,27 @@ def test_target_reports_the_rows_its_products_keep_bit_identical(tiny_dirs):
 def test_unknown_matmul_dtype_is_a_clear_error(tiny_dirs):
     with pytest.raises(ValueError, match="matmul_dtype='int3'"):
         specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype="int3")
+
+
+def test_packed_weights_give_the_very_bits_of_unpacked_products():
+    """A bf16 weight packed once for oneDNN (where that is faster here) must not move a bit of any product:
+    every row count, pieces included, with a bias."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(1536, 512).to(torch.bfloat16), torch.randn(1536).to(torch.bfloat16)
+    packed = few_rows.packed_copy(weight, bias)
+    if packed is None:
+        pytest.skip("packed bf16 products are not available, not the same bits, or not faster on this machine")
+    x = torch.randn(80, 512)
+    for m in (1, 2, 5, 16, 36, 37, 80):
+        assert torch.equal(few_rows.linear(x[:m], weight, bias, packed), few_rows.linear(x[:m], weight, bias)), m
+
+
+def test_a_packed_form_that_rounds_differently_is_not_used(monkeypatch):
+    if not few_rows._can_pack():
+        pytest.skip("this torch build cannot pack weights for oneDNN")
+    real = few_rows._packed_product
+    monkeypatch.setattr(few_rows, "_packed_product", lambda flat, packed, bias: real(flat, packed, bias) * (1 + 2 ** -7))
+    weight = torch.randn(40, 24).to(torch.bfloat16)
+    assert few_rows.packed_copy(weight, torch.randn(40).to(torch.bfloat16)) is None
+    choice, = [c for c in specplug.machine.machine_choices() if c.name == "packed_same_bits" and "40x24" in c.key]
+    assert choice.value == "no"
