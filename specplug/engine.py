@@ -173,6 +173,10 @@ class Engine:
         if verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
         self.verification = verification
+        if proposer is not None and not callable(getattr(proposer, "propose", None)):
+            hint = f"; build a registered one with specplug.get_proposer({proposer!r})" if isinstance(proposer, str) else ""
+            raise TypeError(f"proposer must be a Proposer (an object with propose(seq, k)) or None, "
+                            f"got {type(proposer).__name__} {proposer!r}"[:200] + hint)
         n = len(prompts)
         samplings = per_row(sampling or SamplingParams(), n, "sampling")
         budgets = [int(b) for b in per_row(max_new_tokens, n, "max_new_tokens")]

@@ -98,6 +98,13 @@ def test_empty_prompt_is_an_error(tiny_target, decode):
             decode(tiny_target, None, empty)
 
 
+def test_a_proposer_name_in_place_of_a_proposer_is_an_error_saying_how_to_build_one(tiny_target, decode):
+    with pytest.raises(TypeError, match=r"got str 'ngram'; build a registered one with specplug.get_proposer\('ngram'\)"):
+        decode(tiny_target, "ngram", [1, 2, 3])
+    with pytest.raises(TypeError, match="proposer must be a Proposer"):
+        decode(tiny_target, object(), [1, 2, 3])
+
+
 def test_prompt_longer_than_positions_is_an_error(tiny_target, decode):
     with pytest.raises(ValueError, match="positions"):
         decode(tiny_target, None, [1] * 600)
