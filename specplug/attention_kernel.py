@@ -57,6 +57,9 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     fn = lib.specplug_attend
     fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
     fn.restype = ctypes.c_int64
+    lib.specplug_append.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
+        [ctypes.c_void_p] * 5
+    lib.specplug_append.restype = None
     return lib, ""
 
 
@@ -81,6 +84,19 @@ class Attention:
 
     def __init__(self, lib: ctypes.CDLL, heads: int, kv_heads: int, head_dim: int):
         self.fn, self.heads, self.kv_heads, self.head_dim = lib.specplug_attend, heads, kv_heads, head_dim
+        self.append_fn = lib.specplug_append
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, caches: Sequence, counts: Sequence[int]) -> None:
+        """Write new keys and values k, v [N, kv_heads, d] (float32, each position's heads contiguous), ``counts[r]``
+        positions for cache r in order, into each cache after its ``length`` entries, in one call. The caches
+        (:class:`specplug.lean_llama.LayerCache`) must have room; their lengths are the caller's to advance."""
+        if k.stride()[1:] != (self.head_dim, 1) or v.stride()[1:] != (self.head_dim, 1):
+            k, v = k.contiguous(), v.contiguous()
+        table = torch.tensor([[c.k.data_ptr() for c in caches], [c.v.data_ptr() for c in caches],
+                              [c.k.stride(0) for c in caches], [c.length for c in caches], list(counts)],
+                             dtype=torch.int64)
+        self.append_fn(len(caches), self.kv_heads, self.head_dim, k.data_ptr(), v.data_ptr(), k.stride(0),
+                       v.stride(0), *(row.data_ptr() for row in table))
 
     def __call__(self, q: torch.Tensor, spans: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]]) -> torch.Tensor:
         """Scaled queries q [N, heads, d], float32; ``spans``: (keys, values, first, count) for consecutive runs of

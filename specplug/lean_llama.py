@@ -64,12 +64,17 @@ class LayerCache:
         self.v = torch.empty_like(self.k)
         self.length = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + k.shape[1]
-        if end > self.k.shape[1]:  # grow by doubling: appends stay amortised O(1)
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` more entries (grown by doubling: appends stay amortised O(1))."""
+        end = self.length + n
+        if end > self.k.shape[1]:
             grow = max(end, 2 * self.k.shape[1]) - self.k.shape[1]
             self.k = torch.cat([self.k, self.k.new_empty(self.k.shape[0], grow, self.k.shape[2])], dim=1)
             self.v = torch.cat([self.v, self.v.new_empty(self.v.shape[0], grow, self.v.shape[2])], dim=1)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.length + k.shape[1]
+        self.reserve(k.shape[1])
         self.k[:, self.length:end] = k
         self.v[:, self.length:end] = v
         self.length = end
@@ -331,6 +336,15 @@ class LeanLayer:
         own sequence's cache, as a one-token step would (see ``__call__``)."""
         q, k, v = self._qkv(x, cos, sin)
         q = q * self.scaling  # once for all rows: an elementwise product rounds alike row by row or all at once
+        if self.kernel is not None and visible is None:  # chains only: every row's new entries in one call
+            for cache, n in zip(caches, counts):
+                cache.reserve(n)
+            self.kernel.append(k, v, caches, counts)
+            spans = []
+            for cache, n in zip(caches, counts):
+                spans.append((cache.k, cache.v, cache.length, n))
+                cache.length += n
+            return self._finish(x, self._attend_spans(q, spans).reshape(x.shape[0], -1))
         chains, trees, at = [], [], 0
         for b, (cache, n) in enumerate(zip(caches, counts)):
             start = cache.length

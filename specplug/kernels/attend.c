@@ -111,3 +111,19 @@ int64_t specplug_attend(int64_t N, int64_t H, int64_t G, int64_t d, const float 
     }
     return failed ? -2 : 0;
 }
+
+/* Rows r = 0..R-1 in order, each with count[r] new positions: row r's come next in k and v ([N, G, d], positions
+ * ks and vs floats apart, heads d apart) and go into its cache from position start[r] on, kv head g at
+ * kbase[r] + g * stride[r] (vbase likewise), positions d apart. One call in place of two copies per row. */
+void specplug_append(int64_t R, int64_t G, int64_t d, const float *k, const float *v, int64_t ks, int64_t vs,
+                     const int64_t *kbase, const int64_t *vbase, const int64_t *stride, const int64_t *start,
+                     const int64_t *count) {
+    int64_t at = 0;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < count[r]; i++, at++)
+            for (int64_t g = 0; g < G; g++) {
+                int64_t to = g * stride[r] + (start[r] + i) * d;
+                memcpy((float *)kbase[r] + to, k + at * ks + g * d, sizeof(float) * (size_t)d);
+                memcpy((float *)vbase[r] + to, v + at * vs + g * d, sizeof(float) * (size_t)d);
+            }
+}
