@@ -97,3 +97,26 @@ def test_attention_kernel_is_not_used_where_it_does_not_apply():
     assert "float32" in attention_kernel.supports(torch.bfloat16, "cpu", 8, 8, 64)
     assert "head_dim" in attention_kernel.supports(torch.float32, "cpu", 8, 8, 256)
     assert "CPU" in attention_kernel.supports(torch.float32, "meta", 8, 8, 64)
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-model"])
+def test_torchs_attention_form_keeps_batched_speculative_greedy_rows_equal_to_target_only(name, tiny_dirs,
+                                                                                           monkeypatch):
+    """Where the kernel does not run (no compiler, another device, bf16 caches) torch's form serves every path of
+    the lean forward; a machine with a compiler checks that form here."""
+    import specplug
+
+    monkeypatch.setenv(machine.OVERRIDE_ENV, "attention=torch")
+    machine.forget()
+    try:
+        target = specplug.Target.from_pretrained(tiny_dirs["target"])
+        assert target.lean is not None and target.lean.layers[0].kernel is None
+        options = {"target": target, "model": str(tiny_dirs["draft"])} if name == "draft-model" else {}
+        prompts = ["def add(a, b):", "hello hello hello", "for i in range(10):"]
+        batch = specplug.generate_batch(target, specplug.get_proposer(name, **options), prompts, max_new_tokens=40,
+                                        sampling=specplug.GREEDY, num_speculative_tokens=4, strict=True)
+        for prompt, got in zip(prompts, batch):
+            want = specplug.generate(target, None, prompt, max_new_tokens=40, sampling=specplug.GREEDY)
+            assert got.tokens == want.tokens
+    finally:
+        machine.forget()
