@@ -144,10 +144,8 @@ def choose(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
         machine.record(CHOICE, key, TORCH, reason, "default")
         return None
     kernel = Attention(lib, heads, kv_heads, head_dim)
-    rows, length, g = 4, 256, torch.Generator().manual_seed(0)
-    caches = [(torch.randn(kv_heads, length, head_dim, generator=g), torch.randn(kv_heads, length, head_dim, generator=g))
-              for _ in range(rows)]
-    q = torch.randn(2 * rows, heads, head_dim, generator=g) * head_dim ** -0.5
+    rows, length = 4, 256
+    q, caches = _probe_inputs(heads, kv_heads, head_dim, rows, length)
     spans = [(k, v, length - 2, 2) for k, v in caches]
 
     def by_torch():
@@ -163,3 +161,13 @@ def choose(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
     forms = {KERNEL: lambda: kernel(q, spans), TORCH: by_torch}
     nbytes = 2 * rows * kv_heads * length * head_dim * 4
     return kernel if machine.faster(CHOICE, key, forms, KERNEL, nbytes) == KERNEL else None
+
+
+@functools.lru_cache(maxsize=8)
+def _probe_inputs(heads: int, kv_heads: int, head_dim: int, rows: int, length: int):
+    """Seeded probe queries [2·rows, heads, d] and ``rows`` caches of ``length`` entries, made once per shape (every
+    layer of a model asks for the same)."""
+    g = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(kv_heads, length, head_dim, generator=g), torch.randn(kv_heads, length, head_dim, generator=g))
+              for _ in range(rows)]
+    return torch.randn(2 * rows, heads, head_dim, generator=g) * head_dim ** -0.5, caches

@@ -279,7 +279,7 @@ class LeanLayer:
             return self.kernel(q, spans)
         out, at = [], 0
         for keys, values, first, count in spans:
-            out += [self._attend_one(q[at + i], keys[:, :first + i + 1], values[:, :first + i + 1])
+            out += [self._attend_by_torch(q[at + i], keys[:, :first + i + 1], values[:, :first + i + 1])
                     for i in range(count)]
             at += count
         return torch.stack(out)
