@@ -55,7 +55,7 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     except OSError as err:
         return None, f"cannot load the attention kernel {target}: {err}"
     fn = lib.specplug_attend
-    fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 6 + [ctypes.c_int64]
+    fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 7 + [ctypes.c_int64]
     fn.restype = ctypes.c_int64
     lib.specplug_append.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
         [ctypes.c_void_p] * 5
@@ -104,15 +104,13 @@ class Attention:
         the i-th seeing its first ``first + i + 1`` entries. Returns [N, heads, d]."""
         q = q.contiguous()
         out = torch.empty_like(q)
-        table = [[], [], [], []]  # per query: keys' and values' address, kv-head stride, visible length
-        for keys, values, first, count in spans:
-            kp, vp, stride = keys.data_ptr(), values.data_ptr(), keys.stride(0)
-            for i in range(count):
-                table[0].append(kp), table[1].append(vp), table[2].append(stride), table[3].append(first + i + 1)
-        ptrs = torch.tensor(table, dtype=torch.int64)
-        status = self.fn(q.shape[0], self.heads, self.kv_heads, self.head_dim, q.data_ptr(), out.data_ptr(),
-                         ptrs[0].data_ptr(), ptrs[1].data_ptr(), ptrs[2].data_ptr(), ptrs[3].data_ptr(),
-                         max(table[3], default=0))
+        # per span: keys' and values' address, kv-head stride, entries before its first query, query count
+        table = torch.tensor([[k.data_ptr() for k, _, _, _ in spans], [v.data_ptr() for _, v, _, _ in spans],
+                              [k.stride(0) for k, _, _, _ in spans], [first for _, _, first, _ in spans],
+                              [count for _, _, _, count in spans]], dtype=torch.int64)
+        longest = max((first + count for _, _, first, count in spans), default=0)
+        status = self.fn(len(spans), self.heads, self.kv_heads, self.head_dim, q.data_ptr(), out.data_ptr(),
+                         *(row.data_ptr() for row in table), longest)
         if status:
             raise RuntimeError(f"attention kernel failed (status {status}) for head_dim={self.head_dim}")
         return out

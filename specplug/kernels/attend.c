@@ -49,66 +49,145 @@ static inline v16 vexp(v16 x) {
     return p * scale;
 }
 
-/* softmax(q·Kᵀ) V for one query head (q scaled) over L keys and values, rows of d floats (d <= 128: chunks of 16
- * lanes, then the rest one by one). e: scratch of at least L + 16 floats. */
-static inline __attribute__((always_inline)) void attend_head(const float *q, const float *K, const float *V,
-                                                              int64_t L, int64_t d, float *out, float *e) {
-    int64_t padded = (L + 15) & ~(int64_t)15, chunks = d / 16, rest = d % 16, tail = 16 * chunks;
-    for (int64_t j = 0; j < L; j++) {
-        const float *k = K + j * d;
-        v16 acc = {0};
-        for (int64_t i = 0; i < chunks; i++) acc += load(q + 16 * i) * load(k + 16 * i);
-        float s = hsum(acc);
-        for (int64_t i = tail; i < d; i++) s += q[i] * k[i];
-        e[j] = s;
-    }
-    for (int64_t j = L; j < padded; j++) e[j] = -INFINITY;
-    v16 m = splat(-INFINITY), sum = {0};
-    for (int64_t j = 0; j < padded; j += 16) m = vmax(m, load(e + j));
-    v16 top = splat(hmax(m));
-    for (int64_t j = 0; j < padded; j += 16) store(e + j, vexp(load(e + j) - top));
-    for (int64_t j = L; j < padded; j++) e[j] = 0.f; /* the padding weighs nothing */
-    for (int64_t j = 0; j < padded; j += 16) sum += load(e + j);
-    v16 o[8] = {{0}};
-    float o_rest[16] = {0};
-    for (int64_t j = 0; j < L; j++) {
-        v16 p = splat(e[j]);
-        const float *v = V + j * d;
-        for (int64_t i = 0; i < chunks; i++) o[i] += p * load(v + 16 * i);
-        for (int64_t i = 0; i < rest; i++) o_rest[i] += e[j] * v[tail + i];
-    }
-    float inv = 1.f / hsum(sum);
-    for (int64_t i = 0; i < chunks; i++) store(out + 16 * i, o[i] * splat(inv));
-    for (int64_t i = 0; i < rest; i++) out[tail + i] = o_rest[i] * inv;
+/* Scores of q against 16 keys at once: 16 lane-wise partial sums, one per key, folded by a network whose lanes
+ * pair up exactly as hsum's halves do, so each key's score has the bits hsum would give it alone. */
+static inline v16 fold16(v16 *a) {
+#define PAIR(x, y, ...) (__builtin_shufflevector(x, y, __VA_ARGS__))
+    v16 b[8], c[4], e[2];
+    for (int i = 0; i < 8; i++)
+        b[i] = PAIR(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               PAIR(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        c[i] = PAIR(b[2 * i], b[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               PAIR(b[2 * i], b[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        e[i] = PAIR(c[2 * i], c[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               PAIR(c[2 * i], c[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return PAIR(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           PAIR(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#undef PAIR
 }
 
-/* Queries n = 0..N-1, each with H heads (q, out: [N, H, d], q scaled). Query n sees keys 0..len[n]-1 of its cache,
- * whose kv head g starts at kbase[n] + g * stride[n] floats (values at vbase[n] likewise); head h reads kv head
- * h / (H / G). Returns 0, or -1 for shapes it does not take (d > 128), -2 when scratch could not be allocated. */
-int64_t specplug_attend(int64_t N, int64_t H, int64_t G, int64_t d, const float *q, float *out,
-                        const int64_t *kbase, const int64_t *vbase, const int64_t *stride, const int64_t *len,
-                        int64_t maxlen) {
+/* e[j0..j0+15] = q·k for keys j0..j0+n-1 of K (n <= 16; the other lanes hold 0, to be masked by the caller). */
+static inline __attribute__((always_inline)) void score_block(const float *q, const float *K, int64_t j0, int64_t n,
+                                                              int64_t d, float *e) {
+    int64_t chunks = d / 16, tail = 16 * chunks;
+    v16 acc[16], qv[8];
+    for (int64_t i = 0; i < chunks; i++) qv[i] = load(q + 16 * i);
+    if (n == 16) {
+        #pragma GCC unroll 16
+        for (int64_t t = 0; t < 16; t++) {
+            v16 a = {0};
+            for (int64_t i = 0; i < chunks; i++) a += qv[i] * load(K + (j0 + t) * d + 16 * i);
+            acc[t] = a;
+        }
+    } else
+        for (int64_t t = 0; t < 16; t++) {
+            v16 a = {0};
+            if (t < n)
+                for (int64_t i = 0; i < chunks; i++) a += qv[i] * load(K + (j0 + t) * d + 16 * i);
+            acc[t] = a;
+        }
+    store(e + j0, fold16(acc));
+    for (int64_t t = 0; t < n && tail < d; t++) {
+        float s = e[j0 + t];
+        for (int64_t i = tail; i < d; i++) s += q[i] * K[(j0 + t) * d + i];
+        e[j0 + t] = s;
+    }
+}
+
+#define GROUP 8 /* queries of a span attended together: each key and value read once for all of them */
+
+/* softmax(q·Kᵀ) V for n <= GROUP queries of one head (q scaled, rows qs floats apart; out likewise) over the keys
+ * and values of one kv head, rows of d floats (d <= 128: chunks of 16 lanes, then the rest one by one); query i
+ * sees the first len[i] keys. Every sum of a query runs in an order set by its own length alone. e: scratch of at
+ * least GROUP * (maxlen + 16) floats. */
+static inline __attribute__((always_inline)) void attend_queries(const float *q, int64_t qs, const float *K,
+                                                                 const float *V, const int64_t *len, int64_t n,
+                                                                 int64_t d, float *out, float *e, int64_t es) {
+    int64_t chunks = d / 16, rest = d % 16, tail = 16 * chunks, most = 0;
+    for (int64_t i = 0; i < n; i++) most = len[i] > most ? len[i] : most;
+    for (int64_t j0 = 0; j0 < most; j0 += 16) /* a block of keys serves every query that sees it */
+        for (int64_t i = 0; i < n; i++)
+            if (j0 < len[i]) score_block(q + i * qs, K, j0, len[i] - j0 < 16 ? len[i] - j0 : 16, d, e + i * es);
+    v16 sum[GROUP];
+    for (int64_t i = 0; i < n; i++) {
+        float *ei = e + i * es;
+        int64_t L = len[i], padded = (L + 15) & ~(int64_t)15;
+        for (int64_t j = L; j < padded; j++) ei[j] = -INFINITY;
+        v16 m = splat(-INFINITY);
+        for (int64_t j = 0; j < padded; j += 16) m = vmax(m, load(ei + j));
+        v16 top = splat(hmax(m));
+        for (int64_t j = 0; j < padded; j += 16) store(ei + j, vexp(load(ei + j) - top));
+        for (int64_t j = L; j < padded; j++) ei[j] = 0.f; /* the padding weighs nothing */
+        sum[i] = (v16){0};
+        for (int64_t j = 0; j < padded; j += 16) sum[i] += load(ei + j);
+    }
+    v16 o[GROUP][8];
+    float o_rest[GROUP][16];
+    memset(o, 0, sizeof o[0] * (size_t)n);
+    memset(o_rest, 0, sizeof o_rest[0] * (size_t)n);
+    for (int64_t j0 = 0; j0 < most; j0 += 32) /* a block of values stays in L1 while every query adds it */
+        for (int64_t i = 0; i < n; i++) {
+            int64_t end = len[i] < j0 + 32 ? len[i] : j0 + 32;
+            v16 acc[8];
+            for (int64_t c = 0; c < chunks; c++) acc[c] = o[i][c];
+            for (int64_t j = j0; j < end; j++) {
+                const float *v = V + j * d;
+                float w = e[i * es + j];
+                v16 p = splat(w);
+                for (int64_t c = 0; c < chunks; c++) acc[c] += p * load(v + 16 * c);
+                for (int64_t c = 0; c < rest; c++) o_rest[i][c] += w * v[tail + c];
+            }
+            for (int64_t c = 0; c < chunks; c++) o[i][c] = acc[c];
+        }
+    for (int64_t i = 0; i < n; i++) {
+        float inv = 1.f / hsum(sum[i]), *oi = out + i * qs;
+        for (int64_t c = 0; c < chunks; c++) store(oi + 16 * c, o[i][c] * splat(inv));
+        for (int64_t c = 0; c < rest; c++) oi[tail + c] = o_rest[i][c] * inv;
+    }
+}
+
+/* Spans s = 0..S-1 of consecutive queries (q, out: [N, H, d], q scaled): span s holds count[s] queries, the i-th
+ * seeing keys 0..first[s] + i of its cache, whose kv head g starts at kbase[s] + g * stride[s] floats (values at
+ * vbase[s] likewise); head h reads kv head h / (H / G). Returns 0, or -1 for shapes it does not take (d > 128),
+ * -2 when scratch could not be allocated. */
+int64_t specplug_attend(int64_t S, int64_t H, int64_t G, int64_t d, const float *q, float *out,
+                        const int64_t *kbase, const int64_t *vbase, const int64_t *stride, const int64_t *first,
+                        const int64_t *count, int64_t maxlen) {
     if (d <= 0 || d > 128 || G <= 0 || H % G) return -1;
-    int64_t group = H / G;
+    int64_t group = H / G, es = maxlen + 16, tasks = 0;
+    for (int64_t s = 0; s < S; s++) tasks += (count[s] + GROUP - 1) / GROUP;
+    /* a task: one head of up to GROUP consecutive queries of a span: its span, the index of its first query in
+     * the span and in q */
+    int64_t *task = malloc(sizeof(int64_t) * (size_t)(3 * tasks + 1));
+    if (!task) return -2;
+    for (int64_t s = 0, n = 0, t = 0; s < S; n += count[s], s++)
+        for (int64_t i = 0; i < count[s]; i += GROUP, t++) task[3 * t] = s, task[3 * t + 1] = i, task[3 * t + 2] = n + i;
     int failed = 0;
     #pragma omp parallel
     {
-        float *e = malloc(sizeof(float) * (size_t)(maxlen + 16));
+        float *e = malloc(sizeof(float) * (size_t)(GROUP * es));
         if (!e) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(static)
-        for (int64_t t = 0; t < N * H; t++) {
-            int64_t n = t / H, g = (t % H) / group;
-            const float *K = (const float *)kbase[n] + g * stride[n], *V = (const float *)vbase[n] + g * stride[n];
+        for (int64_t t = 0; t < tasks * H; t++) {
+            const int64_t *job = task + 3 * (t / H);
+            int64_t s = job[0], h = t % H, g = h / group, len[GROUP], n = 0;
+            for (int64_t i = job[1]; n < GROUP && i < count[s]; i++) len[n++] = first[s] + i + 1;
+            const float *K = (const float *)kbase[s] + g * stride[s], *V = (const float *)vbase[s] + g * stride[s];
+            const float *qt = q + (job[2] * H + h) * d;
+            float *ot = out + (job[2] * H + h) * d;
             if (!e) continue;
-            if (d == 64) attend_head(q + t * d, K, V, len[n], 64, out + t * d, e); /* constant sizes unroll */
-            else if (d == 128) attend_head(q + t * d, K, V, len[n], 128, out + t * d, e);
-            else attend_head(q + t * d, K, V, len[n], d, out + t * d, e);
+            if (d == 64) attend_queries(qt, H * d, K, V, len, n, 64, ot, e, es); /* constant sizes unroll */
+            else if (d == 128) attend_queries(qt, H * d, K, V, len, n, 128, ot, e, es);
+            else attend_queries(qt, H * d, K, V, len, n, d, ot, e, es);
         }
         free(e);
     }
+    free(task);
     return failed ? -2 : 0;
 }
 
