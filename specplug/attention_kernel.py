@@ -6,8 +6,7 @@ from memory again; the kernel runs every query head of a layer in one call on al
 reading the row's cache from the core's cache. A query's result depends on its own inputs only (see the source),
 so a verified position still scores exactly as a one-token step does.
 
-The kernel is compiled for this CPU (``-march=native``) into ``$SPECPLUG_CACHE_DIR/kernels`` (default
-``~/.cache/specplug``), keyed by the source, the flags, the compiler and the CPU; without a C compiler, on
+The kernel is compiled for this CPU by :mod:`specplug.native`; without a C compiler, on
 another device or dtype, or where it is not faster (a probe, :mod:`specplug.machine`), torch's form runs, and
 :func:`specplug.machine.machine_choices` says which ran and why. ``SPECPLUG_CHOICES=attention=torch`` pins torch's.
 """
@@ -15,20 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from . import machine
+from . import machine, native
 
-SOURCE = Path(__file__).with_name("kernels") / "attend.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+SOURCE = "attend.c"
 CHOICE = "attention"
 KERNEL, TORCH = "kernel", "torch"
 
@@ -36,24 +28,9 @@ KERNEL, TORCH = "kernel", "torch"
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[ctypes.CDLL | None, str]:
     """The compiled kernel, or None and why it is not available."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None, "no C compiler on PATH (cc, gcc or $CC) to build the attention kernel"
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        text = SOURCE.read_text(encoding="utf-8")
-    except (OSError, subprocess.SubprocessError) as err:
-        return None, f"cannot run {compiler} or read {SOURCE.name}: {err}"
-    key = hashlib.sha256("\n".join([text, " ".join(FLAGS), version, machine._hardware()]).encode()).hexdigest()[:16]
-    target = machine.cache_path().parent / "kernels" / f"attend-{key}.so"
-    if not target.exists():
-        reason = _compile(compiler, target)
-        if reason:
-            return None, reason
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as err:
-        return None, f"cannot load the attention kernel {target}: {err}"
+    lib, reason = native.build(SOURCE)
+    if lib is None:
+        return None, reason
     fn = lib.specplug_attend
     fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 7 + [ctypes.c_int64]
     fn.restype = ctypes.c_int64
@@ -61,22 +38,6 @@ def load() -> tuple[ctypes.CDLL | None, str]:
         [ctypes.c_void_p] * 5
     lib.specplug_append.restype = None
     return lib, ""
-
-
-def _compile(compiler: str, target: Path) -> str:
-    """Build the kernel into ``target`` (atomically: concurrent builds each rename a whole file); "" or why not."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                 capture_output=True, text=True, timeout=300)
-            if run.returncode != 0:
-                return f"{compiler} could not build the attention kernel: {run.stderr.strip()[-300:]}"
-            os.replace(built, target)
-    except (OSError, subprocess.SubprocessError) as err:
-        return f"cannot build the attention kernel with {compiler}: {err}"
-    return ""
 
 
 class Attention:

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import attention_kernel, few_rows, machine
+from . import amx_products, attention_kernel, few_rows, machine
 from .int8_products import Int8Product
 
 # Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
@@ -147,10 +147,11 @@ class Product:
     not round alike.
 
     ``int8`` (drafters only): the product keeps only an int8 copy of the weight (see
-    :mod:`specplug.int8_products`) and ``weight`` is None. A bf16 CPU weight may also keep a oneDNN-packed copy
-    (:func:`few_rows.packed_copy`: the same bits, faster)."""
+    :mod:`specplug.int8_products`) and ``weight`` is None. A bf16 CPU weight may instead be multiplied on AMX
+    tiles (:mod:`specplug.amx_products`: every row count one product, each row its one-row product) or keep a
+    oneDNN-packed copy (:func:`few_rows.packed_copy`: the same bits as unpacked, faster)."""
 
-    __slots__ = ("weight", "bias", "one_row", "int8", "packed")
+    __slots__ = ("weight", "bias", "one_row", "int8", "packed", "tiles")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, one_row_copy: bool = False,
                  int8: bool = False):
@@ -158,10 +159,16 @@ class Product:
         self.weight, self.bias = (None, None) if int8 else (weight, bias)
         self.one_row = _one_row_copy(weight, bias) if one_row_copy and not int8 else None
         self.packed = None if int8 else few_rows.packed_copy(weight, bias)
+        self.tiles = None if int8 or weight.dtype != torch.bfloat16 else amx_products.choose(weight, bias, self.packed)
+        if self.tiles is not None:
+            self.packed = None  # every row count runs on the tiles
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
             return self.int8(x)
+        if self.tiles is not None:
+            y = self.tiles(x)
+            return y if x.dtype == y.dtype else y.to(x.dtype)
         if self.one_row is not None and x.shape[0] == 1:
             return F.linear(x, self.one_row, self.bias)
         return few_rows.linear(x, self.weight, self.bias, self.packed)
@@ -171,7 +178,8 @@ class Product:
         if self.int8 is not None:
             return self.int8.nbytes()
         copies = [t for t in (self.one_row, self.packed) if t is not None]
-        return sum(t.numel() * t.element_size() for t in copies)
+        tiles = 0 if self.tiles is None else self.tiles.nbytes()
+        return sum(t.numel() * t.element_size() for t in copies) + tiles
 
 
 def _one_row_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

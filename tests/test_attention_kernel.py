@@ -3,7 +3,7 @@ machine without a compiler runs torch's form and says why."""
 import pytest
 import torch
 
-from specplug import attention_kernel, machine
+from specplug import attention_kernel, machine, native
 
 
 def _caches(rows: int, kv_heads: int, head_dim: int, capacity: int, seed: int = 0):
@@ -77,7 +77,8 @@ def test_lean_layers_run_the_kernel_or_say_why_not(tiny_dirs):
 
 def test_without_a_compiler_attention_runs_torch_form_and_names_the_reason(monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(attention_kernel.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    native.build.cache_clear()
     attention_kernel.load.cache_clear()
     machine.forget()
     try:
@@ -89,6 +90,7 @@ def test_without_a_compiler_attention_runs_torch_form_and_names_the_reason(monke
         with pytest.raises(ValueError, match="attention=kernel is pinned"):
             attention_kernel.choose(8, 8, 64, torch.float32, "cpu", _by_torch)
     finally:
+        native.build.cache_clear()
         attention_kernel.load.cache_clear()
         machine.forget()
 

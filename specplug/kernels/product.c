@@ -1,0 +1,130 @@
+/* bf16 products on Intel AMX tiles for specplug's lean forward: y = bf16(bf16(x) · Wᵀ + b), float32 in and out.
+ *
+ * Why a kernel: for the few rows of a decode step or a verify pass oneDNN's bf16 product costs several times
+ * what reading the weight does, and over a few dozen rows it changes its summation order, so a verify pass had
+ * to run in pieces that each read the whole weight again. Here every output element is the same sequence of
+ * tile products (16 rows of x, 32 of K at a time, K in order, from zero), whatever the row count, the other
+ * rows or the threads: a row's result is its one-row product, bit for bit, by construction. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint32_t u16x __attribute__((vector_size(64)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Ask Linux for the AMX tile state (once per process): 0, or -1 where it is refused or absent. */
+int64_t specplug_product_init(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) ? -1 : 0;
+}
+
+/* W [N, K] bf16 -> tiles [N/16][K/32][16 pairs of k][16 n][2], the layout a tile product reads (N % 16 == 0,
+ * K % 32 == 0). */
+void specplug_product_pack(int64_t N, int64_t K, const uint16_t *w, uint16_t *out) {
+    int64_t blocks = K / 32;
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t kb = 0; kb < blocks; kb++) {
+            uint16_t *tile = out + (nb * blocks + kb) * 512;
+            for (int64_t p = 0; p < 16; p++)
+                for (int64_t n = 0; n < 16; n++)
+                    for (int64_t i = 0; i < 2; i++)
+                        tile[p * 32 + 2 * n + i] = w[(nb * 16 + n) * K + kb * 32 + 2 * p + i];
+        }
+}
+
+/* float32 -> bf16 bits, rounded to nearest even (torch's rounding), 16 lanes. */
+static inline u16x round_bits(v16 x) {
+    u16x u;
+    memcpy(&u, &x, sizeof u);
+    return (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+}
+
+static inline v16 widen(u16x bits) {
+    u16x u = bits << 16;
+    v16 x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* x [M, K] float32 -> xb [ceil(M/16) * 16, K] bf16, the padding rows zero. */
+static void to_bf16(int64_t M, int64_t K, const float *x, uint16_t *xb) {
+    int64_t padded = (M + 15) / 16 * 16;
+    #pragma omp parallel for schedule(static)
+    for (int64_t m = 0; m < padded; m++)
+        for (int64_t k = 0; k < K; k += 16) {
+            h16 h = {0};
+            if (m < M) {
+                v16 v;
+                memcpy(&v, x + m * K + k, sizeof v);
+                h = __builtin_convertvector(round_bits(v), h16);
+            }
+            memcpy(xb + m * K + k, &h, sizeof h);
+        }
+}
+
+/* One tile of results (16 rows from row m0, 16 columns from n0) into y: plus the bias, rounded to bf16. */
+static inline void finish(const float *tile, int64_t rows, int64_t N, int64_t n0, const uint16_t *bias, float *y) {
+    v16 b = {0};
+    if (bias) {
+        h16 h;
+        memcpy(&h, bias + n0, sizeof h);
+        b = widen(__builtin_convertvector(h, u16x));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        v16 v;
+        memcpy(&v, tile + 16 * r, sizeof v);
+        v = widen(round_bits(bias ? v + b : v));
+        memcpy(y + r * N + n0, &v, sizeof v);
+    }
+}
+
+#define GROUP 4 /* row tiles that share each loaded weight tile */
+
+/* y [M, N] = bf16(bf16(x [M, K]) · Wᵀ + bias) with W packed by specplug_product_pack, bias bf16 [N] or NULL.
+ * xb: scratch of ceil(M/16) * 16 * K bf16. */
+void specplug_product(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *packed,
+                      const uint16_t *bias, float *y, uint16_t *xb) {
+    int64_t row_tiles = (M + 15) / 16, blocks = K / 32;
+    to_bf16(M, K, x, xb);
+    #pragma omp parallel
+    {
+        tile_config config = {0};
+        config.palette = 1;
+        for (int t = 0; t < 6; t++) config.rows[t] = 16, config.colsb[t] = 64;
+        _tile_loadconfig(&config);
+        float tile[256];
+        #pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < N / 16; nb++) {
+            const uint16_t *w = packed + nb * blocks * 512;
+            for (int64_t t0 = 0; t0 < row_tiles; t0 += GROUP) {
+                int64_t n = row_tiles - t0 < GROUP ? row_tiles - t0 : GROUP;
+                const uint16_t *a = xb + t0 * 16 * K;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t kb = 0; kb < blocks; kb++) { /* K in order: the one summation order of every element */
+                    _tile_loadd(5, w + kb * 512, 64);
+                    _tile_loadd(4, a + kb * 32, K * 2); _tile_dpbf16ps(0, 4, 5);
+                    if (n > 1) { _tile_loadd(4, a + 16 * K + kb * 32, K * 2); _tile_dpbf16ps(1, 4, 5); }
+                    if (n > 2) { _tile_loadd(4, a + 32 * K + kb * 32, K * 2); _tile_dpbf16ps(2, 4, 5); }
+                    if (n > 3) { _tile_loadd(4, a + 48 * K + kb * 32, K * 2); _tile_dpbf16ps(3, 4, 5); }
+                }
+                for (int64_t t = 0; t < n; t++) {
+                    if (t == 0) _tile_stored(0, tile, 64);
+                    else if (t == 1) _tile_stored(1, tile, 64);
+                    else if (t == 2) _tile_stored(2, tile, 64);
+                    else _tile_stored(3, tile, 64);
+                    int64_t m0 = (t0 + t) * 16, rows = M - m0 < 16 ? M - m0 : 16;
+                    finish(tile, rows, N, nb * 16, bias, y + m0 * N);
+                }
+            }
+        }
+        _tile_release();
+    }
+}

@@ -1,0 +1,85 @@
+"""bf16 products on AMX tiles: every row of any product is its one-row product, close to exact arithmetic, and
+where the tiles cannot run (no AMX, a shape that does not tile, a pinned choice) oneDNN's products run and the
+reason is recorded."""
+import pytest
+import torch
+
+from specplug import amx_products, few_rows, machine
+from specplug.lean_llama import Product
+from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
+
+
+def _tiles(weight: torch.Tensor, bias: torch.Tensor | None = None) -> amx_products.TileProduct:
+    lib, reason = amx_products.load()
+    if lib is None:
+        pytest.skip(reason)  # no AMX here: the fallback is tested below
+    return amx_products.TileProduct(lib, weight, bias)
+
+
+@pytest.mark.parametrize("out_features,in_features,bias", [(32, 64, False), (48, 96, True), (512, 1536, True)])
+def test_tile_products_agree_with_exact_arithmetic_to_bf16_rounding(out_features, in_features, bias):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
+    x = torch.randn(37, in_features, generator=g)
+    got = _tiles(weight, b)(x).double()
+    exact = x.to(torch.bfloat16).double() @ weight.double().T + (0 if b is None else b.double())
+    # the result is rounded to bf16 (8 significant bits): within one unit there, plus float32 accumulation
+    assert ((got - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5 * in_features).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_row_of_a_tile_product_is_its_one_row_product(bias):
+    """The property a verify pass relies on: rows scored together get the bits each gets alone, for any count
+    (within and across 16-row tiles and 4-tile groups), on inputs that expose any change of summation order."""
+    w, x, b = few_rows._sensitive_inputs(48, 128, torch.bfloat16, "cpu", bias)
+    x = torch.cat([x, x.flip(0)]).float()
+    tiles = _tiles(w, b)
+    one = torch.cat([tiles(x[i:i + 1]) for i in range(x.shape[0])])
+    for rows in range(1, x.shape[0] + 1):
+        assert torch.equal(tiles(x[:rows]), one[:rows]), rows
+
+
+def test_lean_products_run_on_tiles_with_any_row_count_as_one_product():
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    if amx_products.supports(weight):
+        pytest.skip(amx_products.supports(weight))
+    product = Product(weight)
+    assert product.tiles is not None and product.packed is None
+    [choice] = [c for c in machine.machine_choices() if c.name == amx_products.CHOICE]
+    assert choice.value == amx_products.AMX
+    x = torch.randn(100, 64)  # more rows than oneDNN keeps bit-identical: here one product, no pieces
+    assert torch.equal(product(x), torch.cat([product(x[i:i + 1]) for i in range(100)]))
+
+
+def test_shapes_the_tiles_do_not_take_run_through_onednn_and_say_why():
+    weight = torch.randn(40, 64).to(torch.bfloat16)
+    assert amx_products.choose(weight) is None
+    [choice] = [c for c in machine.machine_choices() if c.name == amx_products.CHOICE]
+    assert choice.value == amx_products.ONEDNN and choice.why
+    assert "float32" in amx_products.supports(torch.randn(32, 64))
+
+
+def test_tiles_whose_rows_differ_from_one_row_products_are_not_used(monkeypatch):
+    weight = torch.randn(64, 64).to(torch.bfloat16)
+    if amx_products.supports(weight):
+        pytest.skip(amx_products.supports(weight))
+    real = amx_products.TileProduct.__call__
+
+    def drifting(self, x):  # a kernel whose rounding moves with the row count
+        return real(self, x) * (1 + 2.0 ** -10 * (x.reshape(-1, x.shape[-1]).shape[0] > 16))
+
+    monkeypatch.setattr(amx_products.TileProduct, "__call__", drifting)
+    assert amx_products.choose(weight) is None
+    [choice] = [c for c in machine.machine_choices() if c.name == amx_products.CHOICE]
+    assert choice.value == amx_products.ONEDNN and "differ" in choice.why
+    monkeypatch.setenv(machine.OVERRIDE_ENV, f"{amx_products.CHOICE}={amx_products.AMX}")
+    with pytest.raises(ValueError, match="rows differ"):
+        amx_products.choose(weight)
+
+
+def test_pinning_onednn_keeps_products_off_the_tiles(monkeypatch):
+    monkeypatch.setenv(machine.OVERRIDE_ENV, f"{amx_products.CHOICE}={amx_products.ONEDNN}")
+    weight = torch.randn(64, 64).to(torch.bfloat16)
+    assert amx_products.choose(weight) is None
+    assert Product(weight).tiles is None
