@@ -25,7 +25,7 @@ from torch import nn
 from specplug import draft_stop, few_rows, heads, int8_products, zoo
 from specplug.drafting_vocab import (Projection, projection_onto, read_ranks, same_subset, sampled_or_greedy,
                                      vocab_subset)
-from specplug.drafting_products import drafting_weights, linear_shapes
+from specplug.drafting_products import head_weights, linear_shapes
 from specplug.feature_heads import (KVCache, FeatureHeadProposer, attention_mask, head_config_for,
                                     llama_config, reset_head_parameters)
 from specplug.hf_compat import cache_kwargs
@@ -139,11 +139,8 @@ class EagleProposer(FeatureHeadProposer):
         self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, KIND)
         self.sampled_subset = vocab_subset(sampled_vocab, ranks, ranks_file, target.vocab_size, KIND)
         if weights is None:  # int8 where it drafts faster here (the head's recommendation was measured elsewhere)
-            advice = recommended.get("weights")
-            alternative = advice if advice in ("target", "float32") else "target"
-            dtype = torch.float32 if alternative == "float32" else getattr(target, "matmul_dtype", None) or target.dtype
             projection = (target.vocab_size if self.subset is None else len(self.subset), target.hidden_size)
-            weights = drafting_weights(linear_shapes(module) + [projection], target.device, dtype, alternative, advice)
+            weights = head_weights(linear_shapes(module) + [projection], target, recommended.get("weights"))
         self.weights = int8_products.checked_weights(weights, ("int8", "target", "float32"), target.device, KIND,
                                                      "target")
         self.stop_below = draft_stop.threshold(stop_below, recommended.get("stop_below"), KIND)
@@ -186,6 +183,12 @@ class EagleProposer(FeatureHeadProposer):
 
     def _draft_step(self, out, embeds, start, cache):
         return self._step(out, embeds, start, cache)
+
+    def _rows_step(self, hidden, embeds, starts, caches, first):
+        counts = [h.shape[0] for h in hidden]
+        x = self.fc(torch.cat([torch.cat(embeds), torch.cat(hidden)], dim=-1))
+        cos, sin = self.rope.rows(starts, counts)
+        return self.lean_layer.rows(x, cos, sin, caches, counts)[torch.tensor(counts).cumsum(0) - 1]
 
     def _projection_for(self, seq: SequenceState) -> Projection:
         return self.greedy_projection if seq.sampling.greedy else self.sampled_projection

@@ -28,6 +28,7 @@ from torch import nn
 
 from specplug import draft_stop, heads
 from specplug.drafting_vocab import Projection, read_ranks, vocab_subset
+from specplug.drafting_products import head_weights, linear_shapes
 from specplug.feature_heads import (FeatureHeadProposer, attention_mask, drafting_weights, frozen_for_drafting,
                                     head_config_for, llama_config, reset_head_parameters)
 from specplug.lean_llama import LeanLayer, Norm, Product, RopeTable
@@ -173,6 +174,17 @@ class Eagle3Layer(LeanLayer):
         return self._finish(residual, out.reshape(T, -1))
 
 
+    def step_rows(self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  caches: list, counts: list[int]) -> torch.Tensor:
+        """:meth:`step` for several sequences at once (``counts[r]`` rows of hidden/embeds for cache r, in
+        order): every row's output [N, h], each row as :meth:`step` would give it."""
+        normed = self.norm_hidden(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        q, k, v = self._qkv(torch.cat([self.norm_embeds(embeds), normed], dim=-1), cos, sin)
+        out = self._attend_rows(q, k, v, caches, counts)
+        return self._finish(residual, out.reshape(hidden.shape[0], -1))
+
+
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -205,7 +217,9 @@ class Eagle3Proposer(FeatureHeadProposer):
             raise ValueError(f"eagle3: head reads layers {module.config['feature_layers']}, but target "
                              f"{target.name!r} has {top}")
         self.needs_features = module.feature_names
-        self.weights = drafting_weights(weights or recommended.get("weights"), target, KIND)
+        if weights is None:  # int8 where it drafts faster here (the head's recommendation was measured elsewhere)
+            weights = head_weights(linear_shapes(module), target, recommended.get("weights"))
+        self.weights = drafting_weights(weights, target, KIND)
         self.stop_below = draft_stop.threshold(stop_below, recommended.get("stop_below"), KIND)
         self.vocab_size = target.vocab_size
         self.head = frozen_for_drafting(module, target, self.weights)
@@ -263,6 +277,13 @@ class Eagle3Proposer(FeatureHeadProposer):
     def _draft_step(self, out, embeds, start, cache):
         cos, sin = self.rope.get(start, 1)
         return self.layer.step(out, embeds, cos, sin, cache)[-1]
+
+    def _rows_step(self, hidden, embeds, starts, caches, first):
+        counts = [h.shape[0] for h in hidden]
+        x = torch.cat(hidden)
+        cos, sin = self.rope.rows(starts, counts)
+        out = self.layer.step_rows(self.fc(x) if first else x, torch.cat(embeds), cos, sin, caches, counts)
+        return out[torch.tensor(counts).cumsum(0) - 1]
 
     def _projection_for(self, seq: SequenceState) -> Projection:
         return self.projection

@@ -5,8 +5,8 @@ here, and beyond a few dozen rows it sums in another order, so a verify pass of 
 reading the weight again (:mod:`specplug.few_rows`). The kernel sums every output element in one fixed order
 (tiles of K in sequence, from zero), so a row's result does not depend on the other rows: any number of rows is
 one product. That is checked on the machine before it is used (:func:`rows_match_one_row_products`), with
-inputs that expose any change of order, and it must also be faster than oneDNN on the row counts of steps and
-verify passes, by more than the margin oneDNN must beat it by (choice ``bf16_products``, listed by :func:`specplug.machine.machine_choices`).
+inputs that expose any change of order, and oneDNN must not be faster on the row counts of steps and verify
+passes (by the probe's margin; choice ``bf16_products``, listed by :func:`specplug.machine.machine_choices`).
 
 Where the CPU has no AMX, the kernel does not build or Linux refuses the tile state, a shape does not tile
 (out_features % 16, in_features % 32), or ``SPECPLUG_CHOICES=bf16_products=oneDNN`` is set, products run through

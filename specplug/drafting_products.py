@@ -1,11 +1,12 @@
 """Which form a drafter's products take on the machine at hand: int8 copies or the float weights.
 
-A drafter multiplies one row at a time, so its products are bound by reading weights: int8 copies
-(:mod:`specplug.int8_products`) read a quarter of float32's bytes, but on some machines, and for small weights
-held in cache, float products (with one-row column-major copies, see :class:`specplug.lean_llama.Product`)
-are as fast or faster. :func:`drafting_weights` times both once per machine and drafter shape
-(:mod:`specplug.machine`, choice ``int8_drafting``). A drafter's arithmetic never touches exactness: it samples
-from the q it reports, and the verifier corrects for q.
+A drafter multiplies one row at a time (16 when it drafts a batch's rows together), so its products are bound by
+reading weights: int8 copies (:mod:`specplug.int8_products`) read a quarter of float32's bytes, but on some
+machines, for small weights held in cache, or where bf16 products run on AMX tiles
+(:mod:`specplug.amx_products`), float products (with one-row column-major copies, see
+:class:`specplug.lean_llama.Product`) are as fast or faster. :func:`drafting_weights` times both once per
+machine and drafter shape, over 1 and 16 rows (:mod:`specplug.machine`, choice ``int8_drafting``). A drafter's
+arithmetic never touches exactness: it samples from the q it reports, and the verifier corrects for q.
 """
 from __future__ import annotations
 
@@ -42,11 +43,21 @@ def int8_drafting_pays(shapes: Sequence[tuple[int, int]], device, dtype: torch.d
     than the margin. The caller checks that the int8 kernel runs on the device."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(*shape, generator=gen).to(device) for shape in shapes]
-    rows = [torch.randn(1, shape[1], generator=gen).to(device) for shape in shapes]
+    rows = [torch.randn(16, shape[1], generator=gen).to(device) for shape in shapes]
     plain = [Product(w.to(dtype), one_row_copy=one_row_copies) for w in weights]
     narrow = [Product(w, int8=True) for w in weights]
-    forms = {"int8": lambda: [p(x) for p, x in zip(narrow, rows)], "float": lambda: [p(x) for p, x in zip(plain, rows)]}
+    forms = {form: lambda products=products: [p(x[:m]) for p, x in zip(products, rows) for m in (1, 16)]
+             for form, products in (("int8", narrow), ("float", plain))}
     key = (f"{str(dtype).removeprefix('torch.')}{' one-row copies' if one_row_copies else ''} {device} "
-           + " ".join(f"{n}x{k}" for n, k in shapes))
+           + " ".join(f"{n}x{k}" for n, k in shapes) + " over 1 and 16 rows")
     nbytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
     return machine.faster("int8_drafting", key, forms, "int8" if prefer else "float", nbytes) == "int8"
+
+
+def head_weights(shapes: Sequence[tuple[int, int]], target, advice: str | None) -> str:
+    """A feature head's default ``weights`` for ``target``: ``"int8"`` where its products by weights of ``shapes``
+    draft faster so here (:func:`drafting_weights`), else the head's ``advice`` where that is ``"target"`` or
+    ``"float32"`` (a head's config, measured on some machine), else ``"target"``."""
+    alternative = advice if advice in ("target", "float32") else "target"
+    dtype = torch.float32 if alternative == "float32" else getattr(target, "matmul_dtype", None) or target.dtype
+    return drafting_weights(shapes, target.device, dtype, alternative, advice)

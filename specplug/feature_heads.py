@@ -153,6 +153,14 @@ class FeatureHeadProposer(Proposer):
         """The :class:`specplug.drafting_vocab.Projection` that turns an output into drafting logits."""
         raise NotImplementedError
 
+    def _rows_step(self, hidden: list[torch.Tensor], embeds: list[torch.Tensor], starts: list[int], caches: list,
+                   first: bool) -> torch.Tensor:
+        """Batched drafting (:meth:`propose_batch`): for each sequence r, ``hidden[r]`` (its verified features
+        [n_r, F] when ``first``, else its previous output [1, h]) with ``embeds[r]`` [n_r, h] at positions
+        ``starts[r]``.. into ``caches[r]``, in one pass over all rows: each sequence's output for its last row
+        [R, h], as ``_catch_up`` / ``_draft_step`` would give it row by row."""
+        raise NotImplementedError
+
     def _tree_step(self, outs: torch.Tensor, embeds: torch.Tensor, positions: list[int], cache,
                    visible: torch.Tensor) -> torch.Tensor:
         """Tree drafting (``tree`` > 0): one level of nodes in one masked run, their parents' outputs [E, h] and
@@ -227,6 +235,91 @@ class FeatureHeadProposer(Proposer):
                     out = self._draft_step(out[None], self._embed(token, device), n - 1 + j, st.cache)
             st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
         return Proposal(torch.tensor(drafted, device=device), torch.stack(q_rows) if q_rows else None)
+
+    def propose_batch(self, seqs: list[SequenceState], ks: list[int]) -> list[Proposal | TreeProposal]:
+        """Draft for several sequences at once: the catch-up and then each drafting step is one pass of the head
+        over every row still drafting (its weights read once, not once per row); each row is drawn with its own
+        rng, exactly as :meth:`propose` would draw it. Trees, and heads without ``_rows_step``: row by row."""
+        batched = type(self)._rows_step is not FeatureHeadProposer._rows_step
+        if not batched or any(node_budget(self.tree, seq) for seq in seqs):
+            return [self.propose(seq, k) for seq, k in zip(seqs, ks)]
+        out: list[Proposal | TreeProposal] = [Proposal.empty(seq.target.device) for seq in seqs]
+        rows, states = [], []
+        for j, (seq, k) in enumerate(zip(seqs, ks)):
+            st = self._state(seq)
+            if st.known != len(seq.ids) - 1:  # as in propose: rebuild a row that fell out of step
+                st = seq.scratch[self.name] = self._fresh(seq)
+            if k > 0 and st.pending:
+                rows.append(j), states.append(st)
+        if not rows:
+            return out
+        try:
+            drafted = self._draft_rows([seqs[j] for j in rows], [ks[j] for j in rows], states)
+        except BaseException:
+            for j in rows:  # the caches may hold a half-fed step: the next propose rebuilds these rows
+                seqs[j].scratch.pop(self.name, None)
+            raise
+        for j, proposal in zip(rows, drafted):
+            out[j] = proposal
+        return out
+
+    def _draft_rows(self, seqs: list[SequenceState], ks: list[int], states: list[HeadState]) -> list[Proposal]:
+        """:meth:`propose_batch`'s drafting for rows that draft (k >= 1, features pending)."""
+        device = seqs[0].target.device
+        projections = [self._projection_for(seq) for seq in seqs]
+        with torch.inference_mode():
+            feats = [torch.cat(st.pending).to(device=device, dtype=self.target.dtype) for st in states]
+            embeds = [self.target.embedding(torch.tensor(seq.ids[st.fed + 1:], device=device))
+                      for seq, st in zip(seqs, states)]
+            outs = self._rows_step(feats, embeds, [st.fed for st in states], [st.cache for st in states], True)
+            for seq, st in zip(seqs, states):
+                st.fed, st.pending = len(seq.ids) - 1, []
+            drafted, q_rows = [[] for _ in seqs], [[] for _ in seqs]
+            live, depth = list(range(len(seqs))), 0
+            while live:
+                going = []
+                for projection in {id(projections[r]): projections[r] for r in live}.values():
+                    mine = [i for i, r in enumerate(live) if projections[r] is projection]
+                    # one product for all its live rows, one draw per row
+                    for i, (token, q, go_on) in zip(mine, self._draw_rows(projection.product(outs[mine]),
+                                                                         [seqs[live[i]] for i in mine], projection)):
+                        r = live[i]
+                        drafted[r].append(token)
+                        if q is not None:
+                            q_rows[r].append(q)
+                        if go_on and depth + 1 < ks[r]:
+                            going.append(i)
+                going.sort()
+                depth += 1
+                if going:
+                    live = [live[i] for i in going]
+                    outs = self._rows_step([outs[i][None] for i in going],
+                                           [self._embed(drafted[r][-1], device) for r in live],
+                                           [len(seqs[r].ids) - 2 + depth for r in live],
+                                           [states[r].cache for r in live], False)
+                else:
+                    live = []
+            for st in states:
+                st.cache.crop(st.fed - st.base)  # drop the drafted entries: only verified features stay cached
+        return [Proposal(torch.tensor(tokens, device=device), torch.stack(q) if q else None)
+                for tokens, q in zip(drafted, q_rows)]
+
+    def _draw_rows(self, logits: torch.Tensor, seqs: list[SequenceState],
+                   projection) -> list[tuple[int, torch.Tensor | None, bool]]:
+        """Each row's draft from its drafting logits [R, V'] as :meth:`propose` draws it: (token, q over the whole
+        vocabulary or None, whether drafting may go on after it); greedy rows in one argmax."""
+        if all(seq.sampling.greedy for seq in seqs):
+            picked = logits.float().argmax(-1).tolist()
+            sure = (torch.softmax(logits.float(), -1).amax(-1) >= self.stop_below).tolist() if self.stop_below \
+                else [True] * len(seqs)
+            ids = picked if projection.ids is None else [projection.ids[i] for i in picked]
+            return [(token, None, go_on) for token, go_on in zip(ids, sure)]
+        drawn = []
+        for row, seq in zip(logits, seqs):
+            token, q = draw(row, seq.sampling, seq.rng)
+            go_on = not self.stop_below or draft_stop.confidence(row, token, q) >= self.stop_below
+            drawn.append((*projection.token_and_q(token, q, self.vocab_size), go_on))
+        return drawn
 
     def _draft_tree(self, seq: SequenceState, k: int, out: torch.Tensor, cache, projection,
                     budget: int) -> TreeProposal:

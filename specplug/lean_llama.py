@@ -55,6 +55,12 @@ class RopeTable:
             self.cos, self.signed_sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         return self.cos[start:start + n], self.signed_sin[start:start + n]
 
+    def rows(self, starts: Sequence[int], counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) of positions starts[r]..starts[r] + counts[r] - 1 for each row r, rows in order."""
+        self.get(max(s + n for s, n in zip(starts, counts)) - 1, 1)
+        at = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)]).to(self.cos.device)
+        return self.cos[at], self.signed_sin[at]
+
 
 class LayerCache:
     """Keys and values of one layer, [kv_heads, capacity, head_dim]; ``length`` entries are valid."""
@@ -343,6 +349,12 @@ class LeanLayer:
         The products run once for all N rows (the weights are read once); attention runs per query over its
         own sequence's cache, as a one-token step would (see ``__call__``)."""
         q, k, v = self._qkv(x, cos, sin)
+        return self._finish(x, self._attend_rows(q, k, v, caches, counts, visible).reshape(x.shape[0], -1))
+
+    def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches: list[LayerCache],
+                     counts: list[int], visible: Sequence[Visibility | None] | None = None) -> torch.Tensor:
+        """Append ``counts[b]`` new keys and values k, v [N, kv_heads, d] to cache b, in order, and attend the
+        queries q [N, heads, d] (unscaled) as :meth:`rows` does -> [N, heads, d]."""
         q = q * self.scaling  # once for all rows: an elementwise product rounds alike row by row or all at once
         if self.kernel is not None and visible is None:  # chains only: every row's new entries in one call
             for cache, n in zip(caches, counts):
@@ -352,7 +364,7 @@ class LeanLayer:
             for cache, n in zip(caches, counts):
                 spans.append((cache.k, cache.v, cache.length, n))
                 cache.length += n
-            return self._finish(x, self._attend_spans(q, spans).reshape(x.shape[0], -1))
+            return self._attend_spans(q, spans)
         chains, trees, at = [], [], 0
         for b, (cache, n) in enumerate(zip(caches, counts)):
             start = cache.length
@@ -364,15 +376,14 @@ class LeanLayer:
                 trees.append((at, n, keys, values, mask))
             at += n
         if not trees:
-            out = self._attend_spans(q, [span for _, span in chains])
-        else:  # the chains' queries in one call; each tree node over its own path (see _attend_visible)
-            out = torch.empty_like(q)
-            if chains:
-                picked = torch.cat([torch.arange(a, a + span[3], device=q.device) for a, span in chains])
-                out[picked] = self._attend_spans(q[picked], [span for _, span in chains])
-            for a, n, keys, values, mask in trees:
-                out[a:a + n] = self._attend_visible(q[a:a + n], keys, values, mask, fused=False)
-        return self._finish(x, out.reshape(x.shape[0], -1))
+            return self._attend_spans(q, [span for _, span in chains])
+        out = torch.empty_like(q)  # the chains' queries in one call; each tree node over its own path
+        if chains:
+            picked = torch.cat([torch.arange(a, a + span[3], device=q.device) for a, span in chains])
+            out[picked] = self._attend_spans(q[picked], [span for _, span in chains])
+        for a, n, keys, values, mask in trees:
+            out[a:a + n] = self._attend_visible(q[a:a + n], keys, values, mask, fused=False)
+        return out
 
 
 class LeanCache:

@@ -19,6 +19,7 @@ verify pass round alike.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -90,7 +91,15 @@ def fingerprint() -> str:
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()
     # settings that steer which kernels torch and oneDNN pick
     steering = "".join(f" | {v}={os.environ[v]}" for v in KERNEL_ENV if os.environ.get(v))
-    return f"{cpu} | {capability} | torch {torch.__version__} | {torch.get_num_threads()} threads{steering}"
+    return (f"{cpu} | {capability} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
+            f"kernels {_kernel_sources()}{steering}")
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_sources() -> str:
+    """A hash of specplug's own C kernels: a changed kernel changes which forms win, so decisions are re-probed."""
+    sources = sorted(Path(__file__).with_name("kernels").glob("*.c"))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in sources)).hexdigest()[:12]
 
 
 def overrides() -> dict[str, str]:

@@ -24,7 +24,8 @@ def proposer(name, dirs, target):
         return None
     if name == "noisy-oracle":
         return NoisyOracle(target)
-    options = {"model": dirs["draft"]} if name == "draft-model" else {}
+    options = {"draft-model": {"model": dirs["draft"]}, "eagle": {"head": "random"},
+               "eagle3": {"head": "random"}}.get(name, {})
     return specplug.get_proposer(name, target=target, **options)
 
 
@@ -63,7 +64,7 @@ def alone(target, prop, prompt, budget, sampling, gamma=4):
 
 
 # --- greedy: each row equals the row decoded alone ------------------------------------------------------
-@pytest.mark.parametrize("name", [None, "ngram", "draft-model", "noisy-oracle"])
+@pytest.mark.parametrize("name", [None, "ngram", "draft-model", "noisy-oracle", "eagle", "eagle3"])
 def test_greedy_batch_equals_each_row_alone(name, tiny_dirs, tiny_target):
     prop = proposer(name, tiny_dirs, tiny_target)
     batch = generate_batch(tiny_target, prop, PROMPTS, max_new_tokens=100, sampling=specplug.GREEDY,
@@ -77,7 +78,7 @@ def test_greedy_batch_equals_each_row_alone(name, tiny_dirs, tiny_target):
 
 
 # --- sampled: per-row seeds make each row reproduce the single loop, independent of the batch --------------
-@pytest.mark.parametrize("name", ["noisy-oracle", "draft-model", "ngram"])
+@pytest.mark.parametrize("name", ["noisy-oracle", "draft-model", "ngram", "eagle", "eagle3"])
 def test_sampled_rows_reproduce_the_single_loop_with_their_seeds(name, tiny_dirs, tiny_target):
     prop = proposer(name, tiny_dirs, tiny_target)
     budgets = [60, 23, 75, 5, 40]
@@ -90,6 +91,46 @@ def test_sampled_rows_reproduce_the_single_loop_with_their_seeds(name, tiny_dirs
             want = alone(tiny_target, prop, PROMPTS[i], budgets[i], settings[i], gamma=3)
             assert got.tokens == want.tokens, (cap, i)
             assert got.stats.step_accepted == want.stats.step_accepted
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+def test_feature_heads_draft_every_row_in_one_pass_as_each_row_would_alone(name, tiny_target, monkeypatch):
+    """A feature head's propose_batch feeds and drafts all rows in one head pass a step, and gives each row the
+    very proposal propose gives it alone (tokens and q, bit for bit), so every sampled row of the batch
+    reproduces the single loop token for token."""
+    from specplug import feature_heads
+
+    drafts: dict[str, dict] = {"batch": {}, "alone": {}}
+    record = {"to": "batch"}
+    real_rows, real_one = feature_heads.FeatureHeadProposer._draft_rows, feature_heads.FeatureHeadProposer.propose
+
+    def rows(self, seqs, ks, states):
+        keys = [tuple(seq.ids) for seq in seqs]
+        out = real_rows(self, seqs, ks, states)
+        drafts["batch"].update(zip(keys, out))
+        return out
+
+    def one(self, seq, k):
+        key, out = tuple(seq.ids), real_one(self, seq, k)
+        drafts[record["to"]][key] = out
+        return out
+
+    monkeypatch.setattr(feature_heads.FeatureHeadProposer, "_draft_rows", rows)
+    monkeypatch.setattr(feature_heads.FeatureHeadProposer, "propose", one)
+    prop = specplug.get_proposer(name, target=tiny_target, head="random", init_std=0.5)
+    settings = [specplug.SamplingParams(temperature=1.0, seed=20 + i) for i in range(len(PROMPTS))]
+    batch = generate_batch(tiny_target, prop, PROMPTS, max_new_tokens=40, sampling=settings, num_speculative_tokens=4,
+                           strict=True)
+    record["to"] = "alone"
+    for i, got in enumerate(batch):
+        want = alone(tiny_target, prop, PROMPTS[i], 40, settings[i])
+        assert got.tokens == want.tokens, i
+        assert got.stats.step_accepted == want.stats.step_accepted
+    shared = drafts["batch"].keys() & drafts["alone"].keys()
+    assert len(shared) >= 20  # many batched steps, each met again by the single loop
+    for key in shared:
+        got, want = drafts["batch"][key], drafts["alone"][key]
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.q, want.q)
 
 
 def test_a_rows_output_does_not_depend_on_its_neighbours(tiny_dirs, tiny_target):
