@@ -188,7 +188,7 @@ class EagleProposer(FeatureHeadProposer):
         counts = [h.shape[0] for h in hidden]
         x = self.fc(torch.cat([torch.cat(embeds), torch.cat(hidden)], dim=-1))
         cos, sin = self.rope.rows(starts, counts)
-        return self.lean_layer.rows(x, cos, sin, caches, counts)[torch.tensor(counts).cumsum(0) - 1]
+        return self.lean_layer.rows(x, cos, sin, caches, counts)
 
     def _projection_for(self, seq: SequenceState) -> Projection:
         return self.greedy_projection if seq.sampling.greedy else self.sampled_projection

@@ -173,7 +173,6 @@ class Eagle3Layer(LeanLayer):
         out = self._attend_spans(q * self.scaling, [(cache.k, cache.v, start, T)])
         return self._finish(residual, out.reshape(T, -1))
 
-
     def step_rows(self, hidden: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   caches: list, counts: list[int]) -> torch.Tensor:
         """:meth:`step` for several sequences at once (``counts[r]`` rows of hidden/embeds for cache r, in
@@ -282,8 +281,7 @@ class Eagle3Proposer(FeatureHeadProposer):
         counts = [h.shape[0] for h in hidden]
         x = torch.cat(hidden)
         cos, sin = self.rope.rows(starts, counts)
-        out = self.layer.step_rows(self.fc(x) if first else x, torch.cat(embeds), cos, sin, caches, counts)
-        return out[torch.tensor(counts).cumsum(0) - 1]
+        return self.layer.step_rows(self.fc(x) if first else x, torch.cat(embeds), cos, sin, caches, counts)
 
     def _projection_for(self, seq: SequenceState) -> Projection:
         return self.projection

@@ -55,8 +55,8 @@ def int8_drafting_pays(shapes: Sequence[tuple[int, int]], device, dtype: torch.d
 
 
 def head_weights(shapes: Sequence[tuple[int, int]], target, advice: str | None) -> str:
-    """A feature head's default ``weights`` for ``target``: ``"int8"`` where its products by weights of ``shapes``
-    draft faster so here (:func:`drafting_weights`), else the head's ``advice`` where that is ``"target"`` or
+    """A feature head's default ``weights`` for ``target``: ``"int8"`` where int8 products by weights of ``shapes``
+    draft faster on this machine (:func:`drafting_weights`), else the head's ``advice`` where that is ``"target"`` or
     ``"float32"`` (a head's config, measured on some machine), else ``"target"``."""
     alternative = advice if advice in ("target", "float32") else "target"
     dtype = torch.float32 if alternative == "float32" else getattr(target, "matmul_dtype", None) or target.dtype

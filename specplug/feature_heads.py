@@ -157,8 +157,8 @@ class FeatureHeadProposer(Proposer):
                    first: bool) -> torch.Tensor:
         """Batched drafting (:meth:`propose_batch`): for each sequence r, ``hidden[r]`` (its verified features
         [n_r, F] when ``first``, else its previous output [1, h]) with ``embeds[r]`` [n_r, h] at positions
-        ``starts[r]``.. into ``caches[r]``, in one pass over all rows: each sequence's output for its last row
-        [R, h], as ``_catch_up`` / ``_draft_step`` would give it row by row."""
+        ``starts[r]``.. into ``caches[r]``, in one pass over all rows: the outputs of every row [sum n_r, h], each
+        as ``_catch_up`` / ``_draft_step`` would give it row by row."""
         raise NotImplementedError
 
     def _tree_step(self, outs: torch.Tensor, embeds: torch.Tensor, positions: list[int], cache,
@@ -272,6 +272,7 @@ class FeatureHeadProposer(Proposer):
             embeds = [self.target.embedding(torch.tensor(seq.ids[st.fed + 1:], device=device))
                       for seq, st in zip(seqs, states)]
             outs = self._rows_step(feats, embeds, [st.fed for st in states], [st.cache for st in states], True)
+            outs = outs[torch.tensor([f.shape[0] for f in feats]).cumsum(0) - 1]  # each sequence's newest
             for seq, st in zip(seqs, states):
                 st.fed, st.pending = len(seq.ids) - 1, []
             drafted, q_rows = [[] for _ in seqs], [[] for _ in seqs]
@@ -289,7 +290,6 @@ class FeatureHeadProposer(Proposer):
                             q_rows[r].append(q)
                         if go_on and depth + 1 < ks[r]:
                             going.append(i)
-                going.sort()
                 depth += 1
                 if going:
                     live = [live[i] for i in going]
