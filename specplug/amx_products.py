@@ -30,6 +30,9 @@ CHECKED_ROWS = (1, 2, 3, 15, 16, 17, 33, 64, 80, 96)  # across tile and group bo
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[ctypes.CDLL | None, str]:
     """The compiled kernel with the tile state granted, or None and why not."""
+    flags = machine.cpu_flags()
+    if flags is not None and not {"amx_tile", "amx_bf16"} <= flags:
+        return None, "this CPU has no AMX bf16 tiles (no amx_tile and amx_bf16 among its flags)"
     lib, reason = native.build(SOURCE)
     if lib is None:
         return None, reason

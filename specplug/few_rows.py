@@ -23,6 +23,7 @@ it is used only where its products give the very bits of unpacked ones.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -105,9 +106,19 @@ def _packed_product(flat: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
     return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
 
 
-def _can_pack() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@functools.lru_cache(maxsize=1)
+def _pack_refusal() -> str:
+    """"" where oneDNN packs bf16 weights here, else why not: tried at run time, since it needs instructions
+    (avx512bw or avx_ne_convert) that some CPUs lack."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return "this torch build has no oneDNN weight packing"
+    try:
+        with torch.inference_mode():
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 32, dtype=torch.bfloat16))
+    except RuntimeError as error:
+        return f"oneDNN cannot pack bf16 weights on this CPU ({str(error).splitlines()[0]})"
+    return ""
 
 
 def _same_bits_packed(out_features: int, in_features: int, bias: bool) -> bool:
@@ -126,11 +137,13 @@ def packed_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch
 
     Why: torch's bf16 ``F.linear`` on the CPU reorders the weight for oneDNN at every call, which for a step's
     few rows costs about as much as the product itself."""
-    if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2 \
-            or not _can_pack():
+    if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     out_features, in_features = weight.shape
     where = f"bfloat16 {out_features}x{in_features}{' +bias' if bias is not None else ''} cpu"
+    if _pack_refusal():
+        machine.record("packed_bf16", where, "F.linear", _pack_refusal(), "probe")
+        return None
     same = machine.remembered("packed_same_bits", where,
                               lambda: "yes" if _same_bits_packed(out_features, in_features, bias is not None) else "no",
                               lambda v: "packed products give the unpacked bits" if v == "yes"

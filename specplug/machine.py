@@ -68,16 +68,28 @@ def cache_path() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> dict[str, str] | None:
+    """/proc/cpuinfo's entries (every CPU lists the same), or None where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's instruction-set flags as Linux names them (``amx_tile``, ``avx512_bf16``...), or None if unknown."""
+    info = _cpuinfo()
+    return None if info is None else set(info.get("flags", "").split())
+
+
 def _hardware() -> str:
     """The CPU's model name, and the GPUs' where torch sees any (their kernels are chosen per model too)."""
     cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
-        flags = set(info.get("flags", "").split())
+    info, flags = _cpuinfo(), cpu_flags()
+    if info is not None:
         cpu = info.get("model name", cpu) + "".join(f" {f}" for f in CPU_FLAGS if f in flags)
-    except (OSError, ValueError):
-        pass
     if torch.cuda.is_available():
         gpus = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         cpu += f" | {gpus} (CUDA {torch.version.cuda})"

@@ -82,20 +82,21 @@ def fresh_probes():
     few_rows.forget_probes()
 
 
-def kernel_summing_backwards_above(rows: int, monkeypatch, calls: list | None = None):
-    """Make F.linear sum from the last input to the first for products over more than ``rows`` rows."""
+def kernel_rounding_differently_above(rows: int, monkeypatch, calls: list | None = None):
+    """Make F.linear round differently, as a kernel summing in another order does, for products over more than
+    ``rows`` rows (a reversed or rotated sum is not enough: some CPUs' kernels give it the same bits)."""
     real = torch.nn.functional.linear
 
     def kernel(x, w, b=None):
         if calls is not None:
             calls.append(x.shape[0])
-        return real(x.flip(-1), w.flip(-1), b) if x.shape[0] > rows else real(x, w, b)
+        return real(x, w, b) * (1 + 2.0 ** -6) if x.shape[0] > rows else real(x, w, b)
 
     monkeypatch.setattr(torch.nn.functional, "linear", kernel)
 
 
 def test_probe_finds_the_row_count_above_which_the_kernel_sums_in_another_order(monkeypatch, fresh_probes):
-    kernel_summing_backwards_above(5, monkeypatch)
+    kernel_rounding_differently_above(5, monkeypatch)
     weight = torch.randn(64, 256).to(torch.bfloat16)
     assert few_rows.identical_rows(weight) == 5
     x = torch.randn(23, 256)
@@ -110,7 +111,7 @@ def test_a_kernel_that_agrees_only_on_two_rows_splits_products_into_pairs(monkey
     """A one-row product is padded to two rows, so two rows always agree; a kernel that sums in another order
     from three rows on leaves pairs, and a 9-row product runs as five products."""
     calls = []
-    kernel_summing_backwards_above(2, monkeypatch, calls)
+    kernel_rounding_differently_above(2, monkeypatch, calls)
     weight = torch.randn(32, 128).to(torch.bfloat16)
     assert few_rows.identical_rows(weight) == 2
     calls.clear()
@@ -164,11 +165,28 @@ def test_packed_weights_give_the_very_bits_of_unpacked_products():
 
 
 def test_a_packed_form_that_rounds_differently_is_not_used(monkeypatch):
-    if not few_rows._can_pack():
-        pytest.skip("this torch build cannot pack weights for oneDNN")
+    if few_rows._pack_refusal():
+        pytest.skip(few_rows._pack_refusal())
     real = few_rows._packed_product
     monkeypatch.setattr(few_rows, "_packed_product", lambda flat, packed, bias: real(flat, packed, bias) * (1 + 2 ** -7))
     weight = torch.randn(40, 24).to(torch.bfloat16)
     assert few_rows.packed_copy(weight, torch.randn(40).to(torch.bfloat16)) is None
     choice, = [c for c in specplug.machine.machine_choices() if c.name == "packed_same_bits" and "40x24" in c.key]
     assert choice.value == "no"
+
+
+def test_a_cpu_on_which_onednn_cannot_pack_runs_unpacked_products_and_says_why(monkeypatch):
+    def refuse(weight):  # as torch does on CPUs without avx512bw or avx_ne_convert
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    few_rows._pack_refusal.cache_clear()
+    try:
+        weight = torch.randn(48, 32).to(torch.bfloat16)
+        assert few_rows.packed_copy(weight) is None
+        choice, = [c for c in specplug.machine.machine_choices() if c.name == "packed_bf16" and "48x32" in c.key]
+        assert choice.value == "F.linear" and "cannot pack" in choice.why
+        x = torch.randn(5, 32)
+        assert torch.equal(few_rows.linear(x, weight), few_rows.linear(x, weight, None, None))
+    finally:
+        few_rows._pack_refusal.cache_clear()
