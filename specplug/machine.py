@@ -68,7 +68,6 @@ def cache_path() -> Path:
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def _cpuinfo() -> dict[str, str] | None:
     """/proc/cpuinfo's entries (every CPU lists the same), or None where there is none (not Linux)."""
     try:
@@ -84,6 +83,7 @@ def cpu_flags() -> set[str] | None:
     return None if info is None else set(info.get("flags", "").split())
 
 
+@functools.lru_cache(maxsize=1)
 def _hardware() -> str:
     """The CPU's model name, and the GPUs' where torch sees any (their kernels are chosen per model too)."""
     cpu = platform.processor() or platform.machine()

