@@ -4,11 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+# tiny models run fastest on one thread, and CI has two cores; subprocesses (CLI runs, `specplug check`) inherit
+# it: two threads each beside a busy pytest worker ran such a run 3x slower, and the worker with it
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+
 import torch
 
-torch.set_num_threads(1)  # tiny models run fastest on one thread, and CI has two cores
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+torch.set_num_threads(1)
 
 import pytest
 from transformers.utils import logging as hf_logging

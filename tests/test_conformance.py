@@ -13,7 +13,7 @@ from specplug.plugins import list_proposers
 from specplug.testing import assert_proposer_conforms
 
 BUILTINS = [name for name, info in list_proposers().items() if info.source == "specplug"]
-SAMPLES = "1000"  # the mutants land below 1e-20 at this size; honest proposers well above 1e-3
+SAMPLES = "400"  # the dishonest example lands below 1e-9 at 300 samples; honest proposers well above 1e-3
 
 
 @pytest.mark.parametrize("name", BUILTINS)

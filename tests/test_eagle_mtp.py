@@ -326,3 +326,17 @@ def test_eagle_takes_the_prompt_features_from_the_loops_prefill(small_target, mo
                             sampling=sampling, strict=True)
     # the same features either way (the prefill's and a separate pass's agree), so the same draws
     assert got.tokens == want.tokens and got.stats.accepted_tokens == want.stats.accepted_tokens > 0
+
+
+def test_a_trainer_gives_the_caller_its_thread_count_back(small_target, tmp_path):
+    from specplug.training.eagle import HeadTrainArgs, eagle_loss, train_head
+
+    tokens = torch.randint(0, 6, (4, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        feats = small_target.model(input_ids=tokens[:, :8], output_hidden_states=True).hidden_states[-1]
+    args = HeadTrainArgs(target="", work_dir=str(tmp_path / "w"), steps=1, batch_size=2, seq_len=8, warmup=1,
+                         threads=torch.get_num_threads() + 1)
+    before = torch.get_num_threads()
+    train_head(args, "eagle", EagleHead.for_target(small_target.model.config), eagle_loss(small_target, 0.1, 1.0, 0.1, 0),
+               small_target, {"tokens": tokens.to(torch.int32), "features": feats.to(torch.float16)}, log=lambda *a: None)
+    assert torch.get_num_threads() == before

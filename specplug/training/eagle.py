@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .trainer import keeps_caller_threads
+
 
 @dataclass
 class HeadTrainArgs:
@@ -133,6 +135,7 @@ def window_batch(n_windows: int, step: int, seed: int, batch_size: int) -> torch
     return perm[k * batch_size:(k + 1) * batch_size]
 
 
+@keeps_caller_threads
 def train_head(args: HeadTrainArgs, kind: str, module: torch.nn.Module, loss_fn: Callable, target, data,
                log=print) -> dict:
     """The resumable loop: ``loss_fn(module, tokens, features) -> (loss, {name: float})`` per batch."""
@@ -391,6 +394,7 @@ def eagle_figures(head, target, data, max_depth: int = 4) -> dict:
             "heldout_top1": round(top1[0], 4)}
 
 
+@keeps_caller_threads
 def train_eagle(args: HeadTrainArgs, log=print) -> dict:
     from specplug.proposers.eagle import KIND, EagleHead
 

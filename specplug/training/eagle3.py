@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .eagle import HeadTrainArgs, finish_run, prepare_run, ensure_features, init_from, train_head, unroll
+from .trainer import keeps_caller_threads
 
 EAGLE3_DEFAULTS = {"depth": 3, "depth_decay": 0.8, "vocab": 2048, "feature_layers": None, "init_shared": None}
 
@@ -90,6 +91,7 @@ def share_from_eagle(head, eagle_dir, target) -> list[str]:
     return sorted(shared)
 
 
+@keeps_caller_threads
 def train_eagle3(args: HeadTrainArgs, log=print) -> dict:
     """Train (or resume) an EAGLE-3 head in ``args.work_dir``; export it to ``args.out`` when done."""
     from specplug.proposers.eagle3 import KIND, default_feature_layers

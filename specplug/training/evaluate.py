@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from specplug.hf_compat import cache_kwargs, output_cache
 
+from .trainer import keeps_caller_threads
+
 
 @torch.no_grad()
 def decode_ms_per_token(model, prompt_ids: torch.Tensor, n_tokens: int = 64, repeats: int = 3) -> float:
@@ -59,6 +61,7 @@ def agreement(target, draft, stream: torch.Tensor, seq_len: int = 512, max_token
             "draft_val_loss": d_loss / n, "draft_val_ppl": math.exp(d_loss / n), "tokens": int(n)}
 
 
+@keeps_caller_threads
 def report(target_dir: str, draft_dir: str, tokenizer_dir: str, threads: int = 2,
            max_tokens: int = 65536, cache_dir: str | None = None) -> dict:
     from .corpus import heldout_prompts

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .eagle import HeadTrainArgs, finish_run, prepare_run, ensure_features, init_from, train_head
+from .trainer import keeps_caller_threads
 
 MTP_DEFAULTS = {"num_heads": 3, "num_layers": 1, "share_lm_head": True, "decay": 0.8}
 
@@ -58,6 +59,7 @@ def mtp_figures(heads, target, data) -> dict:
             "heldout_accept_t1_by_head": [round(x, 4) for x in accept]}
 
 
+@keeps_caller_threads
 def train_mtp(args: HeadTrainArgs, log=print) -> dict:
     from specplug.proposers.mtp import KIND, MTPHeads
 

@@ -12,6 +12,7 @@ batches an uninterrupted one would.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -48,6 +49,19 @@ class TrainArgs:
     eval_tokens: int | None = None
     init_from: str | None = None  # start weights (e.g. the CE-trained draft) for a fresh run
     extra: dict = field(default_factory=dict)
+
+
+def keeps_caller_threads(fn):
+    """Trainers choose their own thread count; the caller's comes back when they return (a test suite or a
+    notebook that trained a head would otherwise go on with 2 threads, which contend on a shared box)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        before = torch.get_num_threads()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+    return wrapper
 
 
 class _ThreadGovernor:
@@ -160,6 +174,7 @@ def evaluate(model, stream: torch.Tensor, seq_len: int, max_tokens: int | None =
     return {"val_loss": tot / n, "val_ppl": math.exp(tot / n), "val_tokens": n}
 
 
+@keeps_caller_threads
 def train(args: TrainArgs, config=None, log=print) -> dict:
     """Train (or resume) in args.work_dir. `config` is required for a fresh run."""
     from safetensors.torch import load_model
