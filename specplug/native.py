@@ -3,7 +3,9 @@
 Each source is built with ``cc -O3 -march=native -fopenmp`` into ``$SPECPLUG_CACHE_DIR/kernels`` (default
 ``~/.cache/specplug``), keyed by the source, the flags, the compiler and the CPU, atomically (concurrent builds
 each rename a whole file). Without a compiler, or where a source does not build for this CPU (e.g. AMX
-intrinsics elsewhere), :func:`build` says why and its callers fall back to torch's forms.
+intrinsics elsewhere), :func:`build` says why and its callers fall back to torch's forms. A compiler's refusal
+is kept beside the would-be library (``.failed``), so later processes do not compile again; a timeout is not
+kept, as a busy machine may build the source next time.
 """
 from __future__ import annotations
 
@@ -36,9 +38,14 @@ def build(source: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"cannot run {compiler} or read {source}: {err}"
     key = hashlib.sha256("\n".join([text, " ".join(FLAGS), version, machine._hardware()]).encode()).hexdigest()[:16]
     target = machine.cache_path().parent / "kernels" / f"{path.stem}-{key}.so"
+    refused = target.with_suffix(".failed")
+    if refused.exists():
+        return None, refused.read_text(encoding="utf-8")
     if not target.exists():
-        reason = _compile(compiler, path, target)
+        reason, final = _compile(compiler, path, target)
         if reason:
+            if final:
+                _write_atomically(refused, reason)
             return None, reason
     try:
         return ctypes.CDLL(str(target)), ""
@@ -46,8 +53,8 @@ def build(source: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"cannot load {target}: {err}"
 
 
-def _compile(compiler: str, source: Path, target: Path) -> str:
-    """Build ``source`` into ``target``; "" or why not."""
+def _compile(compiler: str, source: Path, target: Path) -> tuple[str, bool]:
+    """Build ``source`` into ``target``: ("", _) or why not, and whether the compiler itself refused."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -55,8 +62,17 @@ def _compile(compiler: str, source: Path, target: Path) -> str:
             run = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"],
                                  capture_output=True, text=True, timeout=300)
             if run.returncode != 0:
-                return f"{compiler} could not build {source.name} for this CPU: {run.stderr.strip()[-300:]}"
+                return f"{compiler} could not build {source.name} for this CPU: {run.stderr.strip()[-300:]}", True
             os.replace(built, target)
     except (OSError, subprocess.SubprocessError) as err:
-        return f"cannot build {source.name} with {compiler}: {err}"
-    return ""
+        return f"cannot build {source.name} with {compiler}: {err}", False
+    return "", False
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    try:
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, encoding="utf-8") as f:
+            f.write(text)
+        os.replace(f.name, path)
+    except OSError:
+        pass  # an unwritable cache only costs the next process a compile

@@ -122,3 +122,40 @@ def test_torchs_attention_form_keeps_batched_speculative_greedy_rows_equal_to_ta
             assert got.tokens == want.tokens
     finally:
         machine.forget()
+
+
+def test_a_source_the_compiler_refuses_is_not_compiled_again_but_a_timeout_is_retried(tmp_path, monkeypatch):
+    (tmp_path / "broken.c").write_text("this is not C\n")
+    monkeypatch.setattr(native, "KERNELS", tmp_path)
+    real_run, compiles = native.subprocess.run, []
+
+    def counting(cmd, **kwargs):
+        if "-shared" in cmd:
+            compiles.append(cmd)
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(native.subprocess, "run", counting)
+    if native.build("broken.c")[0] is None and not compiles:
+        pytest.skip("no C compiler here")
+    try:
+        for _ in range(2):
+            native.build.cache_clear()  # as a new process would
+            lib, reason = native.build("broken.c")
+            assert lib is None and "could not build broken.c" in reason
+        assert len(compiles) == 1
+
+        (tmp_path / "slow.c").write_text("int f(void) { return 1; }\n")
+
+        def timing_out(cmd, **kwargs):
+            if "-shared" in cmd:
+                compiles.append(cmd)
+                raise native.subprocess.TimeoutExpired(cmd, 300)
+            return real_run(cmd, **kwargs)
+
+        monkeypatch.setattr(native.subprocess, "run", timing_out)
+        for _ in range(2):
+            native.build.cache_clear()
+            assert "timed out" in native.build("slow.c")[1]
+        assert len(compiles) == 3
+    finally:
+        native.build.cache_clear()
