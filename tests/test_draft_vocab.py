@@ -48,7 +48,7 @@ def test_subset_draft_sampling_matches_target_distribution(sampling, small_vocab
     prompt = [1, 2, 3, 4, 5, 0, 1, 2]
     proposer = DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], vocab=[0, 2, 3, 5])
     expected = exact_distribution(small_target, prompt, 3, sampling)
-    counts = sampled_distribution(small_target, proposer, prompt, 3, sampling, 3000)
+    counts = sampled_distribution(small_target, proposer, prompt, 3, sampling, 1500)
     assert chi_square_pvalue(counts, expected) > EXACTNESS_ALPHA
 
 
