@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import amx_products, attention_kernel, few_rows, machine
+from . import amx_products, attention_kernel, few_rows, machine, row_products
 from .int8_products import Int8Product
 
 # Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
@@ -155,7 +155,8 @@ class Product:
     ``int8`` (drafters only): the product keeps only an int8 copy of the weight (see
     :mod:`specplug.int8_products`) and ``weight`` is None. A bf16 CPU weight may instead be multiplied on AMX
     tiles (:mod:`specplug.amx_products`: every row count one product, each row its one-row product) or keep a
-    oneDNN-packed copy (:func:`few_rows.packed_copy`: the same bits as unpacked, faster)."""
+    oneDNN-packed copy (:func:`few_rows.packed_copy`: the same bits as unpacked, faster); a float32 CPU weight
+    without a one-row copy, through the rows kernel (:mod:`specplug.row_products`, the same property)."""
 
     __slots__ = ("weight", "bias", "one_row", "int8", "packed", "tiles")
 
@@ -165,7 +166,12 @@ class Product:
         self.weight, self.bias = (None, None) if int8 else (weight, bias)
         self.one_row = _one_row_copy(weight, bias) if one_row_copy and not int8 else None
         self.packed = None if int8 else few_rows.packed_copy(weight, bias)
-        self.tiles = None if int8 or weight.dtype != torch.bfloat16 else amx_products.choose(weight, bias, self.packed)
+        if int8:
+            self.tiles = None
+        elif weight.dtype == torch.bfloat16:
+            self.tiles = amx_products.choose(weight, bias, self.packed)
+        else:  # a drafter's one-row copy is its fast form; a target's products must keep one order at any row count
+            self.tiles = None if one_row_copy or weight.dtype != torch.float32 else row_products.choose(weight, bias)
         if self.tiles is not None:
             self.packed = None  # every row count runs on the tiles
 

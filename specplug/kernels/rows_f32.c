@@ -1,0 +1,92 @@
+/* float32 products over few rows for specplug's lean forward: y = x · Wᵀ + b, every row from one read of W.
+ *
+ * Why a kernel: on a CPU whose BLAS sums a many-row product in another order than a one-row product beyond a
+ * few rows, a verify pass (k + 1 rows) or a batched step had to run in pieces of those few rows, each reading
+ * the whole weight again; the step is bound by that read. Here each output element is one fixed sequence of
+ * fused multiply-adds (LANES partial sums over K in order, then the lanes added in a fixed order, then the
+ * tail), whatever the row count, the other rows or the threads: a row's result is its one-row product, bit
+ * for bit, by construction. A fused multiply-add is exactly rounded, so the AVX2 and the portable forms agree. */
+#include <math.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+#include <stdint.h>
+
+#define LANES 8
+#define BLOCK 4 /* rows that share one pass over a weight row */
+
+static inline float finish(const float *acc, const float *x, const float *w, int64_t from, int64_t K) {
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (int64_t k = from; k < K; k++)
+        s = fmaf(x[k], w[k], s);
+    return s;
+}
+
+/* `rows` (a constant where inlined) rows of x [*, K] against `outs` (1 or 2) weight rows w [outs, K]:
+ * out[r * N + j] = x_r · w_j + bias[j]. Two weight rows share each load of x. */
+static inline __attribute__((always_inline)) void block_dot(const int64_t rows, const int64_t outs, int64_t K,
+                                                             int64_t N, const float *x, const float *w,
+                                                             const float *bias, float *out) {
+    float acc[2][BLOCK][LANES] __attribute__((aligned(32))) = {{{0}}};
+    int64_t body = K - K % LANES;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 v[2][BLOCK];
+    for (int64_t j = 0; j < outs; j++)
+        for (int64_t r = 0; r < rows; r++)
+            v[j][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < body; k += LANES) {
+        __m256 wk[2];
+        for (int64_t j = 0; j < outs; j++)
+            wk[j] = _mm256_loadu_ps(w + j * K + k);
+        for (int64_t r = 0; r < rows; r++) {
+            __m256 xr = _mm256_loadu_ps(x + r * K + k);
+            for (int64_t j = 0; j < outs; j++)
+                v[j][r] = _mm256_fmadd_ps(xr, wk[j], v[j][r]);
+        }
+    }
+    for (int64_t j = 0; j < outs; j++)
+        for (int64_t r = 0; r < rows; r++)
+            _mm256_store_ps(acc[j][r], v[j][r]);
+#else
+    for (int64_t k = 0; k < body; k += LANES)
+        for (int64_t j = 0; j < outs; j++)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t l = 0; l < LANES; l++)
+                    acc[j][r][l] = fmaf(x[r * K + k + l], w[j * K + k + l], acc[j][r][l]);
+#endif
+    for (int64_t j = 0; j < outs; j++)
+        for (int64_t r = 0; r < rows; r++)
+            out[r * N + j] = finish(acc[j][r], x + r * K, w + j * K, body, K) + (bias ? bias[j] : 0.0f);
+}
+
+#define DOT(rows, outs) block_dot(rows, outs, K, N, xm, wn, bn, out)
+
+/* y [M, N] = x [M, K] · w [N, K]ᵀ (+ b [N], or b NULL); every output element summed as block_dot sums it. */
+void specplug_rows_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *w, const float *b,
+                       float *y) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n += 2) {
+        const float *wn = w + n * K, *bn = b ? b + n : 0;
+        int64_t outs = N - n < 2 ? 1 : 2;
+        for (int64_t m = 0; m < M; m += BLOCK) {
+            const float *xm = x + m * K;
+            float *out = y + m * N + n;
+            int64_t rows = M - m < BLOCK ? M - m : BLOCK;
+            if (outs == 2) {
+                switch (rows) {
+                    case 1: DOT(1, 2); break;
+                    case 2: DOT(2, 2); break;
+                    case 3: DOT(3, 2); break;
+                    default: DOT(4, 2); break;
+                }
+            } else {
+                switch (rows) {
+                    case 1: DOT(1, 1); break;
+                    case 2: DOT(2, 1); break;
+                    case 3: DOT(3, 1); break;
+                    default: DOT(4, 1); break;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,105 @@
+"""float32 products through the rows kernel: every row of any product is its one-row product, close to torch's
+product, and where the kernel cannot run (no compiler, rows that drift, a pinned choice) few_rows' products run
+and the reason is recorded; the zoo's greedy speculative output stays target-only's on it."""
+import pytest
+import torch
+
+import specplug
+from specplug import few_rows, machine, native, row_products
+from specplug.lean_llama import Product
+from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
+
+
+def _kernel(weight: torch.Tensor, bias: torch.Tensor | None = None) -> row_products.RowProduct:
+    lib, reason = row_products.load()
+    if lib is None:
+        pytest.skip(reason)  # no C compiler here: the fallback is tested below
+    return row_products.RowProduct(lib, weight, bias)
+
+
+@pytest.mark.parametrize("out_features,in_features,bias", [(7, 5, False), (33, 100, True), (512, 1536, True)])
+def test_kernel_products_agree_with_torchs_to_float32_rounding(out_features, in_features, bias):
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(37, in_features, generator=g)
+    exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+    got = _kernel(weight, b)(x).double()
+    assert ((got - exact).abs() <= 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-6).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_row_of_a_kernel_product_is_its_one_row_product(bias):
+    """The property a verify pass relies on, for every row count (within and across the kernel's blocks of 4
+    rows and its pairs of outputs), on inputs that expose any change of summation order."""
+    w, x, b = few_rows._sensitive_inputs(45, 131, torch.float32, "cpu", bias)
+    x = torch.cat([x, x.flip(0)])
+    kernel = _kernel(w, b)
+    one = torch.cat([kernel(x[i:i + 1]) for i in range(x.shape[0])])
+    for rows in range(1, x.shape[0] + 1):
+        assert torch.equal(kernel(x[:rows]), one[:rows]), rows
+
+
+def test_a_targets_float32_products_run_through_the_kernel_as_one_product_at_any_row_count():
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    if row_products.supports(weight):
+        pytest.skip(row_products.supports(weight))
+    product = Product(weight)
+    assert isinstance(product.tiles, row_products.RowProduct)
+    [choice] = [c for c in machine.machine_choices() if c.name == row_products.CHOICE]
+    assert choice.value == row_products.KERNEL
+    x = torch.randn(100, 64)
+    assert torch.equal(product(x), torch.cat([product(x[i:i + 1]) for i in range(100)]))
+    assert Product(weight, one_row_copy=True).tiles is None  # a drafter keeps its own fast form
+
+
+def test_a_kernel_whose_rows_differ_from_one_row_products_is_not_used(monkeypatch):
+    weight = torch.randn(64, 64)
+    if row_products.supports(weight):
+        pytest.skip(row_products.supports(weight))
+    real = row_products.RowProduct.__call__
+
+    def drifting(self, x):  # rounding that moves with the row count
+        return real(self, x) * (1 + 2.0 ** -20 * (x.reshape(-1, x.shape[-1]).shape[0] > 8))
+
+    monkeypatch.setattr(row_products.RowProduct, "__call__", drifting)
+    assert row_products.choose(weight) is None
+    [choice] = [c for c in machine.machine_choices() if c.name == row_products.CHOICE]
+    assert choice.value == row_products.TORCH and "differ" in choice.why
+    monkeypatch.setenv(machine.OVERRIDE_ENV, f"{row_products.CHOICE}={row_products.KERNEL}")
+    with pytest.raises(ValueError, match="rows differ"):
+        row_products.choose(weight)
+
+
+def test_without_a_compiler_float32_products_run_through_few_rows_and_say_why(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    native.build.cache_clear()
+    row_products.load.cache_clear()
+    try:
+        assert Product(torch.randn(64, 64)).tiles is None
+        [choice] = [c for c in machine.machine_choices() if c.name == row_products.CHOICE]
+        assert choice.value == row_products.TORCH and "/nonexistent/cc" in choice.why
+    finally:
+        native.build.cache_clear()
+        row_products.load.cache_clear()
+
+
+def test_pinning_torch_keeps_float32_products_off_the_kernel(monkeypatch):
+    monkeypatch.setenv(machine.OVERRIDE_ENV, f"{row_products.CHOICE}={row_products.TORCH}")
+    assert row_products.choose(torch.randn(64, 64)) is None
+    assert "float32" in row_products.supports(torch.randn(32, 64).to(torch.bfloat16))
+
+
+def test_greedy_speculative_output_on_the_kernel_equals_target_only_single_and_batched():
+    target = specplug.Target.from_pretrained("zoo:pycode", matmul_dtype="float32")
+    kernels = {type(p.tiles).__name__ for layer in target.lean.layers for p in layer.products()}
+    if kernels != {"RowProduct"}:
+        pytest.skip(f"the target's products are not on the rows kernel here: {kernels}")
+    prompts = ["def parse(text):\n", "import os\n", "class Stack:\n", "for i in range(10):\n"]
+    want = [specplug.generate(target, None, p, max_new_tokens=48, sampling=specplug.GREEDY).tokens for p in prompts]
+    proposer = specplug.get_proposer("draft-model", target=target)
+    got = specplug.generate_batch(target, proposer, prompts, max_new_tokens=48, sampling=specplug.GREEDY,
+                                  num_speculative_tokens=6, strict=True)
+    assert [r.tokens for r in got] == want
+    assert all(r.stats.accepted_tokens > 0 for r in got)
