@@ -113,7 +113,7 @@ def choose(weight: torch.Tensor, bias: torch.Tensor | None = None,
         machine.record(CHOICE, where, ONEDNN, machine.OVERRIDE_ENV, "override")
         return None
     tiles = TileProduct(load()[0], weight, bias)
-    w, x, b = few_rows._sensitive_inputs(out_features, in_features, torch.bfloat16, "cpu", bias is not None)
+    w, x, b = few_rows.sensitive_inputs(out_features, in_features, torch.bfloat16, "cpu", bias is not None)
     x = torch.cat([x, x.flip(0)])[:max(CHECKED_ROWS)].float()
     invariant = machine.remembered("tile_rows_same_bits", where,
                                    lambda: "yes" if rows_match_one_row_products(TileProduct(load()[0], w, b), x)

@@ -124,7 +124,7 @@ def _pack_refusal() -> str:
 def _same_bits_packed(out_features: int, in_features: int, bias: bool) -> bool:
     """Whether products through the packed weight give the unpacked product's bits, on 1..PROBE_ROWS rows of
     inputs that expose any change of summation order."""
-    w, x, b = _sensitive_inputs(out_features, in_features, torch.bfloat16, "cpu", bias)
+    w, x, b = sensitive_inputs(out_features, in_features, torch.bfloat16, "cpu", bias)
     with torch.inference_mode():
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         return all(torch.equal(product(x[:m], w, b, packed), product(x[:m], w, b)) for m in range(1, PROBE_ROWS + 1))
@@ -158,7 +158,7 @@ def packed_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch
     return packed if chosen == PACKED else None
 
 
-def _sensitive_inputs(out_features: int, in_features: int, dtype, device, bias: bool):
+def sensitive_inputs(out_features: int, in_features: int, dtype, device, bias: bool):
     """Random weight, rows and bias whose products change their last bits with any change of summation order:
     a large term enters at the first input and leaves at the last, so every partial sum in between is
     rounded at about the output's own precision (plain random rows show a different order in a few outputs
@@ -175,7 +175,7 @@ def _sensitive_inputs(out_features: int, in_features: int, dtype, device, bias: 
 
 def _probe(out_features: int, in_features: int, dtype, device, bias: bool) -> int:
     """The largest m <= PROBE_ROWS such that every product over 2..m rows gives each row's one-row product."""
-    w, x, b = _sensitive_inputs(out_features, in_features, dtype, device, bias)
+    w, x, b = sensitive_inputs(out_features, in_features, dtype, device, bias)
     one: list[torch.Tensor] = []
     with torch.inference_mode():
         for m in range(2, PROBE_ROWS + 1):

@@ -97,7 +97,7 @@ def choose(weight: torch.Tensor, bias: torch.Tensor | None = None) -> RowProduct
         machine.record(CHOICE, where, TORCH, machine.OVERRIDE_ENV, "override")
         return None
     lib = load()[0]
-    w, x, b = few_rows._sensitive_inputs(out_features, in_features, torch.float32, "cpu", bias is not None)
+    w, x, b = few_rows.sensitive_inputs(out_features, in_features, torch.float32, "cpu", bias is not None)
     x = torch.cat([x, x.flip(0)])[:max(CHECKED_ROWS)]
     invariant = machine.remembered("kernel_rows_same_bits", where,
                                    lambda: "yes" if rows_match_one_row_products(RowProduct(lib, w, b), x) else "no",

@@ -32,7 +32,7 @@ def test_tile_products_agree_with_exact_arithmetic_to_bf16_rounding(out_features
 def test_every_row_of_a_tile_product_is_its_one_row_product(bias):
     """The property a verify pass relies on: rows scored together get the bits each gets alone, for any count
     (within and across 16-row tiles and 4-tile groups), on inputs that expose any change of summation order."""
-    w, x, b = few_rows._sensitive_inputs(48, 128, torch.bfloat16, "cpu", bias)
+    w, x, b = few_rows.sensitive_inputs(48, 128, torch.bfloat16, "cpu", bias)
     x = torch.cat([x, x.flip(0)]).float()
     tiles = _tiles(w, b)
     one = torch.cat([tiles(x[i:i + 1]) for i in range(x.shape[0])])
