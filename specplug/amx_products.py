@@ -4,7 +4,7 @@ Why: over the few rows of a decode step oneDNN's bf16 product took several times
 here, and beyond a few dozen rows it sums in another order, so a verify pass of many rows ran in pieces, each
 reading the weight again (:mod:`specplug.few_rows`). The kernel sums every output element in one fixed order
 (tiles of K in sequence, from zero), so a row's result does not depend on the other rows: any number of rows is
-one product. That is checked on the machine before it is used (:func:`rows_match_one_row_products`), with
+one product. That is checked on the machine before it is used (:mod:`specplug.kernel_products`), with
 inputs that expose any change of order, and oneDNN must not be faster on the row counts of steps and verify
 passes (by the probe's margin; choice ``bf16_products``, listed by :func:`specplug.machine.machine_choices`).
 
@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from . import few_rows, machine, native
+from . import few_rows, kernel_products, machine, native
 
 SOURCE = "product.c"
 CHOICE = "bf16_products"
@@ -88,48 +88,13 @@ def supports(weight: torch.Tensor | None) -> str:
     return load()[1]
 
 
-def rows_match_one_row_products(product: TileProduct, x: torch.Tensor) -> bool:
-    """Whether every row of products over CHECKED_ROWS rows of x equals that row's one-row product, bit for bit."""
-    with torch.inference_mode():
-        one = torch.cat([product(x[i:i + 1]) for i in range(max(CHECKED_ROWS))])
-        return all(torch.equal(product(x[:m]), one[:m]) for m in CHECKED_ROWS)
+KIND = kernel_products.Kernel(CHOICE, AMX, ONEDNN, "tile_rows_same_bits", "the AMX kernel", torch.bfloat16,
+                              CHECKED_ROWS, (1, 16, 80))  # a step at B = 1 and 16, a verify pass of 16 rows x 5
 
 
 def choose(weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> TileProduct | None:
     """The AMX product for this weight, or None for oneDNN's (:func:`few_rows.linear`, through ``packed`` where
     given): decided once per shape and machine, and recorded with the reason."""
-    out_features, in_features = (0, 0) if weight is None or weight.dim() != 2 else weight.shape
-    where = f"bfloat16 {out_features}x{in_features}{' +bias' if bias is not None else ''} cpu"
-    pinned = machine.overrides().get(CHOICE)
-    reason = supports(weight)
-    if reason:
-        if pinned == AMX:
-            raise ValueError(f"{machine.OVERRIDE_ENV}: {CHOICE}={AMX} is pinned, but {reason}")
-        if weight is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
-            machine.record(CHOICE, where, ONEDNN, reason, "default")
-        return None
-    if pinned == ONEDNN:
-        machine.record(CHOICE, where, ONEDNN, machine.OVERRIDE_ENV, "override")
-        return None
-    tiles = TileProduct(load()[0], weight, bias)
-    w, x, b = few_rows.sensitive_inputs(out_features, in_features, torch.bfloat16, "cpu", bias is not None)
-    x = torch.cat([x, x.flip(0)])[:max(CHECKED_ROWS)].float()
-    invariant = machine.remembered("tile_rows_same_bits", where,
-                                   lambda: "yes" if rows_match_one_row_products(TileProduct(load()[0], w, b), x)
-                                   else "no",
-                                   lambda v: "every row equals its one-row product" if v == "yes"
-                                   else "rows differ from one-row products: not used")
-    if invariant != "yes":
-        if pinned == AMX:
-            raise ValueError(f"{machine.OVERRIDE_ENV}: {CHOICE}={AMX} is pinned, but its rows differ from "
-                             "one-row products on this machine")
-        machine.record(CHOICE, where, ONEDNN, "the AMX kernel's rows differ from one-row products here", "probe")
-        return None
-    probe = torch.randn(max(CHECKED_ROWS), in_features, generator=torch.Generator().manual_seed(0))
-    steps = [probe[:1], probe[:16], probe[:80]]  # a step at B = 1 and 16, a verify pass of 16 rows x 5
-    forms = {AMX: lambda: [tiles(p) for p in steps],
-             ONEDNN: lambda: [few_rows.linear(p, weight, bias, packed) for p in steps]}
-    # the tiles by default: any number of rows is one product (no pieces), so they win ties
-    chosen = machine.faster(CHOICE, where, forms, AMX, weight.numel() * weight.element_size())
-    return tiles if chosen == AMX else None
+    return kernel_products.choose(KIND, weight, bias, supports(weight), lambda w, b: TileProduct(load()[0], w, b),
+                                  lambda x: few_rows.linear(x, weight, bias, packed))

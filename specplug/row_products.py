@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from . import few_rows, machine, native
+from . import few_rows, kernel_products, native
 
 SOURCE = "rows_f32.c"
 CHOICE = "float32_products"
@@ -73,47 +73,12 @@ def supports(weight: torch.Tensor | None) -> str:
     return load()[1]
 
 
-def rows_match_one_row_products(product: RowProduct, x: torch.Tensor) -> bool:
-    """Whether every row of products over CHECKED_ROWS rows of x equals that row's one-row product, bit for bit."""
-    with torch.inference_mode():
-        one = torch.cat([product(x[i:i + 1]) for i in range(max(CHECKED_ROWS))])
-        return all(torch.equal(product(x[:m]), one[:m]) for m in CHECKED_ROWS)
+KIND = kernel_products.Kernel(CHOICE, KERNEL, TORCH, "kernel_rows_same_bits", "the rows kernel",
+                              torch.float32, CHECKED_ROWS, (1, 5, 16, 80))  # steps at B = 1 and 16, verify passes
 
 
 def choose(weight: torch.Tensor, bias: torch.Tensor | None = None) -> RowProduct | None:
     """The kernel's product for this float32 CPU weight, or None for few_rows' (:func:`few_rows.linear`):
     decided once per shape and machine, and recorded with the reason."""
-    out_features, in_features = (0, 0) if weight is None or weight.dim() != 2 else weight.shape
-    where = f"float32 {out_features}x{in_features}{' +bias' if bias is not None else ''} cpu"
-    pinned = machine.overrides().get(CHOICE)
-    reason = supports(weight)
-    if reason:
-        if pinned == KERNEL:
-            raise ValueError(f"{machine.OVERRIDE_ENV}: {CHOICE}={KERNEL} is pinned, but {reason}")
-        if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
-            machine.record(CHOICE, where, TORCH, reason, "default")
-        return None
-    if pinned == TORCH:
-        machine.record(CHOICE, where, TORCH, machine.OVERRIDE_ENV, "override")
-        return None
-    lib = load()[0]
-    w, x, b = few_rows.sensitive_inputs(out_features, in_features, torch.float32, "cpu", bias is not None)
-    x = torch.cat([x, x.flip(0)])[:max(CHECKED_ROWS)]
-    invariant = machine.remembered("kernel_rows_same_bits", where,
-                                   lambda: "yes" if rows_match_one_row_products(RowProduct(lib, w, b), x) else "no",
-                                   lambda v: "every row equals its one-row product" if v == "yes"
-                                   else "rows differ from one-row products: not used")
-    if invariant != "yes":
-        if pinned == KERNEL:
-            raise ValueError(f"{machine.OVERRIDE_ENV}: {CHOICE}={KERNEL} is pinned, but its rows differ from "
-                             "one-row products on this machine")
-        machine.record(CHOICE, where, TORCH, "the rows kernel's rows differ from one-row products here", "probe")
-        return None
-    kernel = RowProduct(lib, weight, bias)
-    probe = torch.randn(80, in_features, generator=torch.Generator().manual_seed(0))
-    steps = [probe[:1], probe[:5], probe[:16], probe[:80]]  # a step at B = 1 and 16, verify passes of 1 and 16 rows
-    forms = {KERNEL: lambda: [kernel(p) for p in steps],
-             TORCH: lambda: [few_rows.linear(p, weight, bias) for p in steps]}
-    # the kernel by default: any number of rows is one product (no pieces), so it wins ties
-    chosen = machine.faster(CHOICE, where, forms, KERNEL, weight.numel() * weight.element_size())
-    return kernel if chosen == KERNEL else None
+    return kernel_products.choose(KIND, weight, bias, supports(weight), lambda w, b: RowProduct(load()[0], w, b),
+                                  lambda x: few_rows.linear(x, weight, bias))
