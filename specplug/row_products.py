@@ -23,7 +23,7 @@ from . import few_rows, kernel_products, native
 SOURCE = "rows_f32.c"
 CHOICE = "float32_products"
 KERNEL, TORCH = "rows kernel", "torch"
-CHECKED_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 80)  # across the kernel's blocks of 4 rows
+CHECKED_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 80)  # across the kernel's blocks of 3 rows
 
 
 @functools.lru_cache(maxsize=1)

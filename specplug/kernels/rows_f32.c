@@ -13,7 +13,8 @@
 #include <stdint.h>
 
 #define LANES 8
-#define BLOCK 4 /* rows that share one pass over a weight row */
+#define BLOCK 3 /* rows that share one pass over a block of weight rows */
+#define OUTS 4  /* weight rows that share each load of x: 3 x 4 accumulators + 4 weight vectors fit 16 registers */
 
 static inline float finish(const float *acc, const float *x, const float *w, int64_t from, int64_t K) {
     float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
@@ -22,20 +23,21 @@ static inline float finish(const float *acc, const float *x, const float *w, int
     return s;
 }
 
-/* `rows` (a constant where inlined) rows of x [*, K] against `outs` (1 or 2) weight rows w [outs, K]:
- * out[r * N + j] = x_r · w_j + bias[j]. Two weight rows share each load of x. */
+/* `rows` (1..BLOCK) rows of x [*, K] against `outs` (1..OUTS) weight rows w [outs, K], both constants where
+ * inlined: out[r * N + j] = x_r · w_j + bias[j]. The blocking sets only which sums share a load, never the
+ * order of any one sum. */
 static inline __attribute__((always_inline)) void block_dot(const int64_t rows, const int64_t outs, int64_t K,
                                                              int64_t N, const float *x, const float *w,
                                                              const float *bias, float *out) {
-    float acc[2][BLOCK][LANES] __attribute__((aligned(32))) = {{{0}}};
+    float acc[OUTS][BLOCK][LANES] __attribute__((aligned(32))) = {{{0}}};
     int64_t body = K - K % LANES;
 #if defined(__AVX2__) && defined(__FMA__)
-    __m256 v[2][BLOCK];
+    __m256 v[OUTS][BLOCK];
     for (int64_t j = 0; j < outs; j++)
         for (int64_t r = 0; r < rows; r++)
             v[j][r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < body; k += LANES) {
-        __m256 wk[2];
+        __m256 wk[OUTS];
         for (int64_t j = 0; j < outs; j++)
             wk[j] = _mm256_loadu_ps(w + j * K + k);
         for (int64_t r = 0; r < rows; r++) {
@@ -60,32 +62,30 @@ static inline __attribute__((always_inline)) void block_dot(const int64_t rows, 
 }
 
 #define DOT(rows, outs) block_dot(rows, outs, K, N, xm, wn, bn, out)
+/* every (rows, outs) pair spelled out, so each block_dot is compiled with constant bounds */
+#define FOR_ROWS(outs)                          \
+    switch (rows) {                             \
+        case 1: DOT(1, outs); break;            \
+        case 2: DOT(2, outs); break;            \
+        default: DOT(3, outs); break;           \
+    }
 
 /* y [M, N] = x [M, K] · w [N, K]ᵀ (+ b [N], or b NULL); every output element summed as block_dot sums it. */
 void specplug_rows_f32(int64_t M, int64_t N, int64_t K, const float *x, const float *w, const float *b,
                        float *y) {
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n += 2) {
+    for (int64_t n = 0; n < N; n += OUTS) {
         const float *wn = w + n * K, *bn = b ? b + n : 0;
-        int64_t outs = N - n < 2 ? 1 : 2;
+        int64_t outs = N - n < OUTS ? N - n : OUTS;
         for (int64_t m = 0; m < M; m += BLOCK) {
             const float *xm = x + m * K;
             float *out = y + m * N + n;
             int64_t rows = M - m < BLOCK ? M - m : BLOCK;
-            if (outs == 2) {
-                switch (rows) {
-                    case 1: DOT(1, 2); break;
-                    case 2: DOT(2, 2); break;
-                    case 3: DOT(3, 2); break;
-                    default: DOT(4, 2); break;
-                }
-            } else {
-                switch (rows) {
-                    case 1: DOT(1, 1); break;
-                    case 2: DOT(2, 1); break;
-                    case 3: DOT(3, 1); break;
-                    default: DOT(4, 1); break;
-                }
+            switch (outs) {
+                case 1: FOR_ROWS(1); break;
+                case 2: FOR_ROWS(2); break;
+                case 3: FOR_ROWS(3); break;
+                default: FOR_ROWS(4); break;
             }
         }
     }
