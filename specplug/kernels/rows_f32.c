@@ -15,6 +15,7 @@
 #define LANES 8
 #define BLOCK 3 /* rows that share one pass over a block of weight rows */
 #define OUTS 4  /* weight rows that share each load of x: 3 x 4 accumulators + 4 weight vectors fit 16 registers */
+#define LINE 16 /* floats in a cache line */
 
 static inline float finish(const float *acc, const float *x, const float *w, int64_t from, int64_t K) {
     float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
@@ -25,10 +26,12 @@ static inline float finish(const float *acc, const float *x, const float *w, int
 
 /* `rows` (1..BLOCK) rows of x [*, K] against `outs` (1..OUTS) weight rows w [outs, K], both constants where
  * inlined: out[r * N + j] = x_r · w_j + bias[j]. The blocking sets only which sums share a load, never the
- * order of any one sum. */
+ * order of any one sum. `next` (or NULL): the following OUTS weight rows, fetched into the cache meanwhile,
+ * since a weight larger than the cache (an LM head) otherwise streams in at the pace of the sums. */
 static inline __attribute__((always_inline)) void block_dot(const int64_t rows, const int64_t outs, int64_t K,
                                                              int64_t N, const float *x, const float *w,
-                                                             const float *bias, float *out) {
+                                                             const float *bias, float *out,
+                                                             const float *next) {
     float acc[OUTS][BLOCK][LANES] __attribute__((aligned(32))) = {{{0}}};
     int64_t body = K - K % LANES;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -40,6 +43,9 @@ static inline __attribute__((always_inline)) void block_dot(const int64_t rows, 
         __m256 wk[OUTS];
         for (int64_t j = 0; j < outs; j++)
             wk[j] = _mm256_loadu_ps(w + j * K + k);
+        if (next) /* the next block's weight rows, as far into it as this block is into its own */
+            for (int64_t p = 0; p < OUTS * LANES; p += LINE)
+                _mm_prefetch((const char *)(next + OUTS * k + p), _MM_HINT_T0);
         for (int64_t r = 0; r < rows; r++) {
             __m256 xr = _mm256_loadu_ps(x + r * K + k);
             for (int64_t j = 0; j < outs; j++)
@@ -61,7 +67,7 @@ static inline __attribute__((always_inline)) void block_dot(const int64_t rows, 
             out[r * N + j] = finish(acc[j][r], x + r * K, w + j * K, body, K) + (bias ? bias[j] : 0.0f);
 }
 
-#define DOT(rows, outs) block_dot(rows, outs, K, N, xm, wn, bn, out)
+#define DOT(rows, outs) block_dot(rows, outs, K, N, xm, wn, bn, out, next)
 /* every (rows, outs) pair spelled out, so each block_dot is compiled with constant bounds */
 #define FOR_ROWS(outs)                          \
     switch (rows) {                             \
@@ -77,10 +83,12 @@ void specplug_rows_f32(int64_t M, int64_t N, int64_t K, const float *x, const fl
     for (int64_t n = 0; n < N; n += OUTS) {
         const float *wn = w + n * K, *bn = b ? b + n : 0;
         int64_t outs = N - n < OUTS ? N - n : OUTS;
+        /* prefetched during the first rows only: later rows find this block's weight rows in the cache */
         for (int64_t m = 0; m < M; m += BLOCK) {
             const float *xm = x + m * K;
             float *out = y + m * N + n;
             int64_t rows = M - m < BLOCK ? M - m : BLOCK;
+            const float *next = m == 0 && n + 2 * OUTS <= N ? wn + OUTS * K : 0;
             switch (outs) {
                 case 1: FOR_ROWS(1); break;
                 case 2: FOR_ROWS(2); break;
