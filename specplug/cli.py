@@ -202,8 +202,13 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
 
     err = Console(stderr=True)
     if batch_sizes:
-        _load_bench(tgt, specs, workloads, _numbers(batch_sizes, int), gamma_list, temp_list[0], max_new_tokens,
-                    repeats, as_json, err, requests, peer)
+        report = _load_bench(tgt, specs, workloads, _numbers(batch_sizes, int), gamma_list, temp_list[0],
+                             max_new_tokens, repeats, as_json, err, requests, peer)
+        if html_path:
+            from specplug.bench import load
+
+            load.write_html(report, html_path)
+            err.print(f"report written to {html_path}")
         return
     attached, _ = bench.attachable(tgt, specs)
     peer_runs = peer_spec.runs_per_prompt(attached, gamma_list) if peer_spec else 0
@@ -262,6 +267,7 @@ def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_
             from specplug.bench.peer_vllm import render_load
 
             render_load(report["peer"])
+    return report
 
 
 def _load_peer(peer, target, specs, gammas, batch_sizes):

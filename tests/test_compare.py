@@ -104,6 +104,29 @@ def test_load_bench_reports_goodput_per_batch_size_with_policies(tiny_dirs, tmp_
     text = json.dumps(report)
     for label in ("heuristic", "cost-model", "cost-model warm"):
         assert label in text
+    page = (tmp_path / "report.html").read_text()
+    assert "goodput, tokens/s" in page and "cost-model warm" in page and "Raw report (JSON)" in page
+
+
+def test_load_bench_table_marks_a_cell_whose_greedy_rows_part_from_target_only(tiny_dirs, tmp_path):
+    from specplug.bench import load
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    result = CliRunner().invoke(main, [
+        "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "-w", str(prompts), "--gammas", "2",
+        "--temperatures", "0", "--max-new-tokens", "6", "--batch-sizes", "1", "--repeats", "1", "--requests", "1",
+        "--json", "--html", ""], catch_exceptions=False)
+    report = json.loads(result.stdout)
+
+    def table() -> str:
+        console = Console(width=200, file=io.StringIO(), record=True)
+        load.render(report, console)
+        return console.export_text()
+
+    assert "≠" not in table()  # greedy speculative rows equal target-only's
+    next(c for c in report["cells"] if c["variant"] == "ngram γ=2")["greedy_equal_to_target_only"] = False
+    assert "≠: greedy tokens differ" in table()
 
 
 def test_load_bench_takes_one_prompt_per_request_unless_told(tiny_dirs, tmp_path):

@@ -236,10 +236,14 @@ def render(report: dict, console=None) -> None:
             text = f"{c['goodput_tokens_per_s']:.1f}"
             if c["speedup_vs_target_only"] is not None and label != "target-only":
                 text += f" ({c['speedup_vs_target_only']:.2f}×)"
+            if c.get("greedy_equal_to_target_only") is False:
+                text += " ≠"
             if report["best"][str(B)]["variant"] == label:
                 text = f"[bold]{text}[/bold]"
             cells.append(text)
         table.add_row(label, *cells)
+    if any(c.get("greedy_equal_to_target_only") is False for c in report["cells"]):
+        table.caption = "≠: greedy tokens differ from target-only's in some row"
     console.print(table)
     policies = [label for label in labels if by[(label, sizes[0])]["policy"] is not None]
     if policies:
@@ -277,3 +281,24 @@ def _fmt_paired(c) -> str:
 def _fmt_alpha(c) -> str:
     a = c["acceptance_rate"]
     return ("–" if a is None else f"{a:.2f}") + f" / {c['mean_gamma']:.1f}"
+
+
+def write_html(report: dict, path) -> None:
+    """The load bench's tables (and the vLLM peer's, if any) as a self-contained page, with the raw report."""
+    import html
+    import io
+
+    from rich.console import Console
+
+    from .report import WIDE_WIDTH, html_page
+
+    console = Console(record=True, width=WIDE_WIDTH, file=io.StringIO())
+    render(report, console)
+    if report.get("peer"):
+        from .peer_vllm import render_load
+
+        render_load(report["peer"], console)
+    body = (f"<p>Goodput and per-token latency per batch size; cells are medians over repeats of runs "
+            f"interleaved in one process.</p>\n<pre>{html.escape(console.export_text())}</pre>")
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(html_page("specplug load bench", body, report))

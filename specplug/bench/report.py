@@ -273,12 +273,7 @@ def write_html(report: dict, path) -> None:
     images = "".join(f'<figure id="{name}"><img alt="{name}" src="data:image/png;base64,{data}"></figure>'
                      for name, data in figures(report).items())
     s = report["settings"]
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>specplug compare</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}} pre{{font-size:11px;overflow-x:auto}}
-figure{{display:inline-block;margin:0.5em}} img{{max-width:560px}} td,th{{padding:0.2em 0.8em;text-align:left}}
-.warn{{background:#fff3cd;padding:0.5em 1em;margin:1em 0}}</style></head><body>
-<h1>specplug compare — {html.escape(report['target']['name'])}</h1>
-<p>Speed-up over target-only decoding in the same, interleaved run: the median over paired runs, with a 95%
+    body = f"""<p>Speed-up over target-only decoding in the same, interleaved run: the median over paired runs, with a 95%
 bootstrap interval over prompts and repeats ({s['repeats']} repeat(s), {s['max_new_tokens']} new tokens).</p>
 {_summary_html(report)}
 <h2>Plots</h2>{images}
@@ -288,10 +283,22 @@ steps; v: the scoring pass over γ + 1 tokens in target-only steps. predicted = 
 (Leviathan et al., v = 1); meas/pred(v) puts (γc + v) in its denominator; meas/pred compares with τ / (γc + v), the
 speed-up the cell's own figures allow, so it shows only what the decode loop itself loses.</p>
 <pre>{html.escape(console.export_text())}</pre>
-<h2>Skipped proposers</h2><ul>{skipped}</ul>
-<details><summary>Settings, machine and target</summary>
-<pre>{html.escape(json.dumps({k: report[k] for k in ('settings', 'machine', 'target')}, indent=1))}</pre></details>
-<details><summary>Raw report (JSON)</summary><pre>{html.escape(json.dumps(report, indent=1))}</pre></details>
-</body></html>"""
+<h2>Skipped proposers</h2><ul>{skipped}</ul>"""
+    page = html_page("specplug compare", body, report)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(page)
+
+
+def html_page(title: str, body: str, report: dict) -> str:
+    """A self-contained page: ``title`` with the target's name, ``body``, then the settings, machine and target and
+    the raw report (JSON), folded away."""
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}} pre{{font-size:11px;overflow-x:auto}}
+figure{{display:inline-block;margin:0.5em}} img{{max-width:560px}} td,th{{padding:0.2em 0.8em;text-align:left}}
+.warn{{background:#fff3cd;padding:0.5em 1em;margin:1em 0}}</style></head><body>
+<h1>{html.escape(title)} — {html.escape(report['target']['name'])}</h1>
+{body}
+<details><summary>Settings, machine and target</summary>
+<pre>{html.escape(json.dumps({k: report[k] for k in ('settings', 'machine', 'target') if k in report}, indent=1))}</pre></details>
+<details><summary>Raw report (JSON)</summary><pre>{html.escape(json.dumps(report, indent=1))}</pre></details>
+</body></html>"""
