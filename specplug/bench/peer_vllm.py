@@ -302,8 +302,8 @@ def render_load(rows: list[dict], console=None) -> None:
     console = console or Console()
     sizes = sorted({r["batch_size"] for r in rows})
     by = {(r["peer"], r["gamma"], r["batch_size"]): r for r in rows}
-    table = Table(title="vLLM on the same requests: goodput tokens/s (ours over vLLM, vLLM's τ); "
-                        "greedy = ours target-only")
+    table = Table(title="vLLM on the same requests: goodput tokens/s (ours over vLLM, vLLM's τ); greedy cells "
+                        "equal ours target-only token for token unless marked NOT EQUAL")
     table.add_column("vLLM")
     for B in sizes:
         table.add_column(f"B={B}", justify="right")
