@@ -74,6 +74,7 @@ REMEASURE_AFTER = 32  # steps at a batch size after which a measured scoring cos
 # carries part of its slope (docs/policies.md, "Why it is built this way")
 MEASURE_K = 2
 PROPOSER_DECAY = 0.95  # weight of older steps in a proposer's running rates (across its requests)
+REACH_RELAX = 0.99  # per step, a depth the policy did not ask for moves its reach this much less from 1
 LINE_DECAY = 0.95  # weight of older drafting steps in the fixed + per-pass fit (slower than α's: k must vary)
 
 
@@ -473,11 +474,15 @@ class CostModelPolicy(GammaPolicy):
         return Acceptance(first / tried, then / later, tuple(got / asked for got, asked in reach))
 
     def _count_reach(self, seq, asked: int, proposed: int) -> None:
-        """How far the proposer drafted against how far it was asked, per depth (decayed)."""
+        """How far the proposer drafted against how far it was asked, per depth (decayed); a depth not asked
+        for relaxes back towards always reaching (its seed), so a few short drafts cannot keep k below it
+        for good: only asking that deep again would count it (docs/policies.md)."""
         reach = self._reach.setdefault(seq.scratch.get("proposer", ""), [])
         reach += [[1.0, 1.0] for _ in range(asked - len(reach))]  # seeded as always reaching
         for d in range(asked):
             _count(reach[d], proposed > d, 1.0, PROPOSER_DECAY)
+        for d in range(asked, len(reach)):
+            reach[d][0] = REACH_RELAX * reach[d][0] + (1 - REACH_RELAX) * reach[d][1]
 
     def begin(self, seq):
         self._state(seq)

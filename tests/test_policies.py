@@ -424,6 +424,24 @@ def test_cost_model_prices_only_the_drafts_a_proposer_makes_when_asked(tiny_targ
     assert policy._acceptance(seq).expected(8) == pytest.approx(5.0, rel=0.05)
 
 
+def test_a_spell_of_short_drafts_does_not_keep_the_cost_model_short_for_good(tiny_target):
+    """A proposer that drafts at most 2 tokens for 60 steps (ngram on short matches), then whatever it is asked,
+    every draft accepted: once the policy settles at k = 2 it no longer sees how far the proposer reaches, so
+    it must ask deeper again of its own accord to find that 8 pays."""
+    policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts(), probe_every=1000)
+    seq = seq_state(tiny_target)
+    seq.scratch["proposer"] = "p"
+    policy.begin(seq)
+    chosen = []
+    for step in range(400):
+        k = policy.choose(seq, 8)
+        chosen.append(k)
+        drafted = min(k, 2) if step < 60 else k
+        policy.update(seq, drafted, drafted, 0.001 * drafted, 0.010 + 0.0005 * (drafted + 1))
+    assert chosen[20:60].count(2) >= 30  # the short spell: asking for more buys nothing (bar a look deeper)
+    assert chosen[-100:] == [8] * 100
+
+
 def test_cost_model_measures_a_stale_dear_choice_again_so_one_unlucky_measurement_does_not_stick(tiny_target):
     truth = {1: 0.010, 2: 0.0105, 3: 0.011, 4: 0.0115, 5: 0.012}.get
     policy = CostModelPolicy(max_gamma=4, probe_every=1000)
