@@ -1,10 +1,13 @@
 """The cost-model policy against static γ at one batch size, alternating in one process: is a gap real or noise?
 
     python benchmarks/policy_ab.py [--batch-size 4] [--proposer draft-model] [--gammas 6,8] [--repeats 6]
+                                   [--tokens 64] [--without-reach-relaxation]
 
 The load bench runs each cell once per repeat minutes apart, so a slow spell of the shared machine can sit in
 one cell's runs; here every repeat runs each static γ, a fresh policy and one kept across repeats back to back
-(order rotated per repeat) on the same 16 HumanEval requests × 64 tokens, greedy. Prints each variant's median
+(order rotated per repeat) on the same 16 HumanEval requests × 64 tokens, greedy; with
+``--without-reach-relaxation`` also a fresh policy whose unasked depths keep their reach (REACH_RELAX = 1, the
+rule before session 18). Prints each variant's median
 goodput (tokens/s) and the median over repeats of its goodput over the best listed static γ's in that repeat.
 """
 from __future__ import annotations
@@ -16,6 +19,7 @@ import time
 import specplug
 from specplug.batch import generate_batch
 from specplug.bench.workloads import humaneval_prompts
+from specplug import policies
 from specplug.policies import CostModelPolicy
 
 
@@ -28,6 +32,8 @@ def main() -> None:
     ap.add_argument("--max-gamma", type=int, default=8, help="the policy's largest γ")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    ap.add_argument("--without-reach-relaxation", action="store_true", help="also the policy without it")
     args = ap.parse_args()
     target = specplug.Target.from_pretrained(args.target)
     prompts = humaneval_prompts(args.requests)
@@ -35,12 +41,16 @@ def main() -> None:
     kept = CostModelPolicy(max_gamma=args.max_gamma)
     variants = {f"γ={g}": int(g) for g in args.gammas.split(",")}
     variants.update({"cost-model fresh": None, "cost-model kept": kept})
+    if args.without_reach_relaxation:
+        variants["no reach relaxation"] = "no-relax"
+    relax = policies.REACH_RELAX
 
     def run(gamma) -> float:
         proposer = specplug.get_proposer(args.proposer, target=target)
-        policy = CostModelPolicy(max_gamma=args.max_gamma) if gamma is None else gamma
+        policy = CostModelPolicy(max_gamma=args.max_gamma) if gamma in (None, "no-relax") else gamma
+        policies.REACH_RELAX = 1.0 if gamma == "no-relax" else relax  # read at each count
         start = time.perf_counter()
-        results = generate_batch(target, proposer, prompts, max_new_tokens=64, sampling=sampling,
+        results = generate_batch(target, proposer, prompts, max_new_tokens=args.tokens, sampling=sampling,
                                  num_speculative_tokens=policy, max_batch_size=args.batch_size)
         return sum(len(r.tokens) for r in results) / (time.perf_counter() - start)
 
