@@ -214,8 +214,9 @@ def test_load_bench_peer_vllm_reports_tau_and_greedy_equality_for_every_engine_a
     result = CliRunner().invoke(main, [
         "compare", "--target", "zoo:pycode", "--matmul-dtype", "float32", "-p", "ngram", "-w", str(prompts),
         "--batch-sizes", "1,2", "--requests", "2", "--gammas", "3", "--temperatures", "0", "--max-new-tokens", "24",
-        "--repeats", "1", "--peer", "vllm", "--json"], catch_exceptions=False)
+        "--repeats", "1", "--peer", "vllm", "--json", "--html", str(tmp_path / "load.html")], catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    assert "vLLM on the same requests" in (tmp_path / "load.html").read_text()
     rows = {(r["peer"], r["batch_size"]): r for r in json.loads(result.stdout)["peer"]}
     assert set(rows) == {(p, B) for p in ("vllm-target-only", "vllm-ngram") for B in (1, 2)}
     assert all(r["greedy_equal_to_ours"] is True and r["goodput_tokens_per_s"] > 0 for r in rows.values())
