@@ -7,7 +7,7 @@ The load bench runs each cell once per repeat minutes apart, so a slow spell of 
 one cell's runs; here every repeat runs each static γ, a fresh policy and one kept across repeats back to back
 (order rotated per repeat) on the same 16 HumanEval requests × 64 tokens, greedy; with
 ``--without-reach-relaxation`` also a fresh policy whose unasked depths keep their reach (REACH_RELAX = 1, the
-rule before session 18). Prints each variant's median
+rule before the relaxation). Prints each variant's median
 goodput (tokens/s) and the median over repeats of its goodput over the best listed static γ's in that repeat.
 """
 from __future__ import annotations

@@ -299,6 +299,6 @@ figure{{display:inline-block;margin:0.5em}} img{{max-width:560px}} td,th{{paddin
 <h1>{html.escape(title)} — {html.escape(report['target']['name'])}</h1>
 {body}
 <details><summary>Settings, machine and target</summary>
-<pre>{html.escape(json.dumps({k: report[k] for k in ('settings', 'machine', 'target') if k in report}, indent=1))}</pre></details>
+<pre>{html.escape(json.dumps({k: report[k] for k in ('settings', 'machine', 'target')}, indent=1))}</pre></details>
 <details><summary>Raw report (JSON)</summary><pre>{html.escape(json.dumps(report, indent=1))}</pre></details>
 </body></html>"""
