@@ -170,11 +170,14 @@ class MeasuredCosts:
                 self._memo = None
 
     def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int,
-                scored: int | None = None, draft_clean: bool = True, draft_rows: int = 1) -> None:
+                scored: int | None = None, draft_clean: bool = True, draft_rows: int = 1,
+                tokens: int | None = None) -> None:
         """``draft_rows`` rows drafted ``proposed`` tokens in ``scored - 1`` passes (default: one row, ``proposed``
         passes) taking ``draft_time``; scoring ``scored`` tokens per row for ``batch_size`` rows took
-        ``verify_time``. ``draft_clean=False``: the drafting also paid for a backlog (the drafter's first step
-        after steps without drafting: the prompt, tokens emitted meanwhile), so it is not a drafting cost."""
+        ``verify_time``, or, with ``tokens``, scoring that many over all rows (ragged rows: a probe's pass, one
+        row drafting, costs about a plain step, not a pass of ``scored`` tokens in every row), counted as the
+        even pass nearest it. ``draft_clean=False``: the drafting also paid for a backlog (the drafter's first
+        step after steps without drafting: the prompt, tokens emitted meanwhile), so it is not a drafting cost."""
         scored = scored or proposed + 1
         if proposed and draft_clean and scored > 1:
             passes = scored - 1
@@ -184,8 +187,9 @@ class MeasuredCosts:
                 draft_time = min(draft_time, 2 * (fixed + per * passes))
             line.add(passes, draft_time)
             self._fit_drafting()
-        key = (scored, batch_size)
-        expected = self.verify_time(scored, batch_size) if self._measured_at(batch_size) else None
+        even = max(1, round(tokens / batch_size)) if tokens else scored
+        key = (even, batch_size)
+        expected = self.verify_time(even, batch_size) if self._measured_at(batch_size) else None
         if expected is not None:
             # a pause (the machine is shared) clipped at twice the estimate, as for drafting: one outlier
             # must not set k for the rest of a batch
@@ -443,7 +447,7 @@ class CostModelPolicy(GammaPolicy):
         # decayed [accepted, tried] per proposer: all positions, first positions, later positions
         self._proposer_sums: dict[str, dict[str, list[float]]] = {}
         self._batch_idle, self._batch_wait = 0, probe_every
-        self._batch_k = 1  # the last batch choice (stale costs are re-measured only while drafting)
+        self._batch_k = 1  # the last batch choice, a probe counting as none (0: speculation is off)
         self._last_step: dict | None = None
         self._last_rows = 0  # rows that drafted in the previous batch step (rows beyond it had a backlog)
         self._probe_row = None  # the sequence the last one-row step drafted in (measured again, if it can)
@@ -487,14 +491,14 @@ class CostModelPolicy(GammaPolicy):
     def begin(self, seq):
         self._state(seq)
 
-    def best_k(self, acceptance: Acceptance | float, max_k: int, batch_size: int = 1, off: bool = False,
-               drafting: bool = True) -> int:
-        """The k one request with this acceptance (an i.i.d. α, or two rates) drafts now."""
-        k = self._best([acceptance], [max_k], batch_size, off, drafting)
+    def best_k(self, acceptance: Acceptance | float, max_k: int, batch_size: int = 1, off: bool = False) -> int:
+        """The k one request with this acceptance (an i.i.d. α, or two rates) drafts now; ``off``: speculation
+        is off (the last choice was no drafting, or a probe)."""
+        k = self._best([acceptance], [max_k], batch_size, off)
         return min(MEASURE_K, max_k) if k < 0 else k
 
-    def _best(self, acceptances: list[Acceptance | float], max_ks: list[int], batch_size: int, off: bool = False,
-              drafting: bool = True) -> int:
+    def _best(self, acceptances: list[Acceptance | float], max_ks: list[int], batch_size: int,
+              off: bool = False) -> int:
         """The k (capped per row by max_ks) maximising the rows' expected tokens per second of one step."""
         cap = min(self.max_gamma, max(max_ks))
         if cap <= 0:
@@ -511,20 +515,20 @@ class CostModelPolicy(GammaPolicy):
         tokens = _step_tokens(acceptances, max_ks, cap)
         rates = self._rates(tokens, max_ks, batch_size, cap)
         best = max(rates)
+        if off:
+            # With speculation off only probes spend steps: exploring would make every row's drafter catch up on
+            # what it missed (a prompt's worth in a new row), a price no pass that might prove cheap repays.
+            # Switching on makes them catch up too: a small predicted gain would not repay that (and would
+            # flap on noise).
+            return 0 if best < (1 + self.switch_on_margin) * rates[0] else rates.index(best)
         # Explore a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago) if
         # it would clearly win were that pass no dearer than a shorter one measured lately: a line through short
         # passes misjudges long ones both ways, and a measurement never repeated can lock in a pause. Each such
-        # step at most doubles a measured length; with speculation off only probes spend steps.
-        stale_after = REMEASURE_AFTER if drafting and not off else 1 << 62
-        hopeful = self._rates(tokens, max_ks, batch_size, cap, stale_after)
+        # step at most doubles a measured length.
+        hopeful = self._rates(tokens, max_ks, batch_size, cap, REMEASURE_AFTER)
         explore = max(range(cap + 1), key=lambda k: hopeful[k])
-        if not self.costs.is_fresh(explore + 1, batch_size, stale_after) \
-                and hopeful[explore] > (1 + self.switch_on_margin) * best:
+        if not self.costs.is_fresh(explore + 1, batch_size) and hopeful[explore] > (1 + self.switch_on_margin) * best:
             return explore
-        if off and best < (1 + self.switch_on_margin) * rates[0]:
-            # switching speculation on makes every drafter catch up on what it missed: a small predicted gain
-            # would not repay that (and would flap on noise)
-            return 0
         # No drafting where it is within 1% of the best: measured costs are noisy, and drafting that buys
         # nothing should not win a tie. Among drafting lengths the best predicted, with no margin (one drafts
         # too short: docs/policies.md). An extrapolated scoring cost is measured by running it.
@@ -585,11 +589,11 @@ class CostModelPolicy(GammaPolicy):
     def _choose(self, seq, max_k):
         state = self._state(seq)
         batch_size = seq.scratch.get("batch_size", 1)
-        k = self.best_k(self._acceptance(seq), max_k, batch_size, state["idle"] > 0, state.get("k", 1) > 0)
+        k = self.best_k(self._acceptance(seq), max_k, batch_size, state.get("k", 1) == 0)
         can_probe = k == 0 and self._could_pay([max_k], batch_size)
         k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, can_probe)
         state["probing"] = can_probe and k > 0
-        state["k"] = k
+        state["k"] = 0 if state["probing"] else k  # the choice, a probe being none: speculation stays off
         if seq.scratch.get("max_node_budget"):
             k = self._with_budget([seq], [max_k], batch_size, [k], state["probing"])[0]
         state["asked"] = k
@@ -624,16 +628,17 @@ class CostModelPolicy(GammaPolicy):
 
     def _choose_batch(self, seqs, max_ks):
         acceptances = [self._acceptance(s) for s in seqs]
-        k = self._best(acceptances, list(max_ks), len(seqs), self._batch_idle > 0, self._batch_k > 0)
+        k = self._best(acceptances, list(max_ks), len(seqs), self._batch_k == 0)
         tree = bool(seqs[0].scratch.get("max_node_budget"))
         if k < 0:  # measuring
+            self._batch_k = MEASURE_K
             ks = [min(MEASURE_K, m) for m in max_ks]
             return self._with_budget(seqs, max_ks, len(seqs), ks, True) if tree else ks
         idle = k == 0
         can_probe = idle and self._could_pay(list(max_ks), len(seqs))
         k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, can_probe)
-        self._batch_k = k
         self._probing = idle and k > 0
+        self._batch_k = 0 if self._probing else k
         firsts = [a.first for a in acceptances]
         ks = self._one_row(seqs, firsts, max_ks) if self._probing else [min(k, m) for m in max_ks]
         return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
@@ -662,7 +667,7 @@ class CostModelPolicy(GammaPolicy):
                 clean = step["backlog_rows"] == 0 if "backlog_rows" in step else self._last_rows >= step["draft_rows"]
                 clean = clean and not step.get("tree_rows")  # a tree's drafting is no point on the chain's line
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
-                                   step["scored"], clean, step["draft_rows"])
+                                   step["scored"], clean, step["draft_rows"], step.get("tokens"))
                 self._last_rows = step["draft_rows"]
                 self._empty_row = None
                 if self._probing and step["drafted"] == 0:  # probe again next step, in another row

@@ -327,10 +327,22 @@ def test_cost_model_switches_back_on_only_for_a_clear_gain(tiny_target):
     seq.scratch["policy:cost-model"] = {"successes": 0.2, "trials": 1.0, "first": [0.2, 1.0], "then": [0.2, 1.0],
                                         "idle": 0, "wait": 1000}
     assert policy.choose(seq, 4) == 1  # speculating already: keep the better k
-    seq.scratch["policy:cost-model"]["idle"] = 3
+    seq.scratch["policy:cost-model"].update(idle=3, k=0)
     assert policy.choose(seq, 4) == 0  # off: 5% does not repay every drafter's catching up
     assert CostModelPolicy(max_gamma=4, costs=ControlledCosts(), switch_on_margin=0.0).best_k(0.2, 4, off=True) == 1
 
+
+def test_a_probe_leaves_speculation_off_so_switching_on_still_needs_a_clear_gain(tiny_target):
+    # α = 0.2 with ControlledCosts (drafting one token predicted 5% faster): a probe drafts a token, but
+    # speculation stays off after it; only a predicted gain above the margin would switch it on
+    policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=2)
+    seq = seq_state(tiny_target)
+    alpha = lambda: {"successes": 0.2, "trials": 1.0, "first": [0.2, 1.0], "then": [0.2, 1.0]}  # noqa: E731
+    seq.scratch["policy:cost-model"] = {**alpha(), "idle": 1, "wait": 2, "k": 0}
+    assert policy.choose(seq, 4) == 1  # the probe
+    policy.update(seq, 1, 1, 0.001, 0.011)
+    seq.scratch["policy:cost-model"].update(alpha())  # as before the probe: still a 5% gain
+    assert policy.choose(seq, 4) == 0
 
 def run_with_true_costs(policy, seq, truth, accepted_share, steps):
     """Drive a policy for one sequence: every choice is "run" with scoring cost truth(n), 0.1 ms of drafting a
@@ -530,3 +542,63 @@ def test_scoring_fewer_tokens_than_measured_is_bounded_not_extrapolated():
     costs.observe(4, 0.0, 0.0152, 4)
     assert costs.verify_time(1, 4) == pytest.approx(0.0051)
     assert costs.verify_time(9, 4) >= 0.0152  # beyond the longest: on their line, never below it
+
+
+def run_compute_bound_batch(policy, seqs, steps, alpha=0.96):
+    """Drive a batch policy over 16 rows with costs shaped like the zoo's at batch 16 on two AVX2 cores:
+    scoring n tokens a row 16.6 ms + 10.7 ms·(n − 1), drafting k tokens 11.7 ms + 3.3 ms·k, and a row whose
+    drafter sat idle catching up 20 ms on its first drafting step; drafts accepted at rate α. Returns each
+    step's ks."""
+    idle = [True] * len(seqs)
+    chosen = []
+    for _ in range(steps):
+        ks = policy.choose_batch(seqs, [8] * len(seqs))
+        k = max(ks)
+        drafting = [j for j, kj in enumerate(ks) if kj]
+        backlog = [j for j in drafting if idle[j]]
+        step = {"drafted": sum(ks), "draft_time": (0.0117 + 0.0033 * k) * bool(k) + 0.020 * len(backlog),
+                "verify_time": 0.0166 + 0.0107 * k, "batch_size": len(seqs), "scored": k + 1,
+                "draft_rows": len(drafting), "backlog_rows": len(backlog)}
+        for j, (seq, kj) in enumerate(zip(seqs, ks)):
+            idle[j] = kj == 0
+            seq.scratch["batch_step"] = step
+            accepted = next((i for i in range(kj) if (hash((len(chosen), j, i)) % 100) >= 100 * alpha), kj)
+            policy.update(seq, kj, accepted, 0.0, 0.0, len(seqs))
+        chosen.append(ks)
+    return chosen
+
+
+def test_switched_off_under_load_the_cost_model_drafts_in_all_rows_no_more():
+    # every row drafting costs each row a catch-up, and scoring grows by 0.65 plain steps a token: with what a
+    # kept policy measured in an earlier run (scoring 1-3 tokens a row lately, 5 long ago), speculation
+    # stays off. Probes (one token in one row) are all the drafting it does: neither speculation being off nor
+    # a probe may lead to drafting in every row to explore longer passes (each such step pays every row's
+    # catch-up, and the measured growth per token already shows they cannot pay)
+    policy = CostModelPolicy(max_gamma=8)
+    seqs = [seq_state(None) for _ in range(16)]
+    for seq in seqs:
+        policy.begin(seq)
+        policy.update(seq, 4, 4, 0.0, 0.0)  # the proposer's drafts are mostly accepted
+    for k in [4] + [0, 1, 2] * 40:
+        policy.costs.observe(16 * k, (0.0117 + 0.0033 * k) * bool(k), 0.0166 + 0.0107 * k, 16, scored=k + 1,
+                             draft_rows=16)
+    policy._batch_idle, policy._batch_k = 1, 0  # off, as the earlier run ended
+    chosen = run_compute_bound_batch(policy, seqs, 400)
+    assert all(sum(1 for k in ks if k) <= 1 and max(ks) <= 1 for ks in chosen)
+
+
+def test_a_probe_pass_over_ragged_rows_is_priced_as_the_plain_step_it_nearly_is(tiny_target):
+    # one row of 16 drafted a token: the ragged pass scored 17 positions, not 2 in every row; counted as a
+    # 2-token pass it once priced drafting a token in every row at a plain step and switched speculation on
+    policy = CostModelPolicy(max_gamma=4)
+    seqs = [seq_state(tiny_target) for _ in range(16)]
+    step = {"drafted": 1, "draft_time": 0.004, "verify_time": 0.018, "batch_size": 16, "scored": 2, "tokens": 17,
+            "draft_rows": 1, "backlog_rows": 1}
+    for j, seq in enumerate(seqs):
+        policy.begin(seq)
+        seq.scratch["batch_step"] = step
+        policy.update(seq, int(j == 0), int(j == 0), 0.0, 0.018, 16)
+    assert set(policy.costs.verify) == {(1, 16)}
+    policy.costs.observe(1, 0.004, 0.030, 16, 2, False, 1, tokens=32)  # padded rows: 2 positions in every row
+    assert policy.costs.verify[(2, 16)] == 0.030
+
