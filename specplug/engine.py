@@ -399,11 +399,12 @@ class Engine:
         """Policy update, emission, observe, stats and finishing, per row; then rows leave and others join."""
         draft_all, target_time, verify_time = times
         B = len(self.live)
-        # what the whole step cost, for batch-aware policies: every row waits for all the drafting, and the pass
-        # scores K + 1 positions for every row whatever each proposed (one dict per step)
+        # what the whole step cost, for batch-aware policies: every row waits for all the drafting (K passes),
+        # and the pass scored each row's own tokens (ragged rows), or K + 1 in every row (padded rows)
         ks = [drafted(r.proposal) for r in self.live]
         shapes = [tree_shape(r.proposal) for r in self.live]
-        step = {"scored": max(ks) + 1, "drafted": sum(ks), "draft_rows": sum(1 for k in ks if k),
+        tokens = B * (max(ks) + 1) if self.rows.padded else sum(k + 1 for k in ks)
+        step = {"scored": max(ks) + 1, "tokens": tokens, "drafted": sum(ks), "draft_rows": sum(1 for k in ks if k),
                 "backlog_rows": sum(1 for r in self.live if r.drafting and r.asked > 0 and not r.drafted_last),
                 "draft_time": draft_all, "verify_time": target_time + verify_time, "batch_size": B,
                 "tree_rows": sum(1 for s in shapes if s is not None)}

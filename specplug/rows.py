@@ -77,6 +77,8 @@ class TargetRows:
 
     Each row caches all of its sequence but the newest token, which the next ``score`` feeds first."""
 
+    padded: bool = False  # a pass runs every row as long as the longest (else each row only its own tokens)
+
     def add(self, prompts: Sequence[Sequence[int]], features: Sequence[str] = ()) -> list[dict | None]:
         """Append one row per prompt, caching all but its last token; return each prompt's features of those
         positions (None for a one-token prompt or when none are asked for)."""
@@ -159,6 +161,8 @@ class LeanRows(TargetRows):
 
 class PaddedRows(TargetRows):
     """HF's forward over a padded batch (:class:`BatchedCache`), for models the lean path does not cover."""
+
+    padded = True
 
     def __init__(self, model: torch.nn.Module, device: torch.device, max_positions: int | None):
         self.model, self.device, self.max_positions = model, device, max_positions

@@ -53,7 +53,8 @@ NODE_BUDGET = "node_budget"
 class BatchStep(TypedDict):
     """What a batched step cost, shared by its rows (one dict a step): for batch-aware γ policies."""
 
-    scored: int  # positions the target scored per row (K + 1, K the longest draft)
+    scored: int  # K + 1, K the longest draft (the drafting passes every row waits for)
+    tokens: int  # positions the target's pass scored over all rows (each row its own; padded rows K + 1 each)
     drafted: int  # tokens drafted by all rows
     draft_rows: int  # rows that drafted at least one token
     backlog_rows: int  # of the rows asked to draft, those whose drafter did not run the step before

@@ -515,6 +515,14 @@ class StepRecorder(Recorder):
             self.steps.append(step)
 
 
+def test_steps_report_the_positions_the_pass_scored_over_all_rows(tiny_target):
+    policy = StepRecorder()
+    generate_batch(tiny_target, NoisyOracle(tiny_target), PROMPTS[:3], max_new_tokens=12, sampling=specplug.GREEDY,
+                   num_speculative_tokens=policy, max_batch_size=2)
+    assert tiny_target.new_rows().padded is False  # the tiny Llama runs on the lean, ragged rows
+    assert [s["tokens"] for s in policy.steps[:3]] == [6, 6, 2]  # 3 positions in each of two rows, then 1
+
+
 def test_steps_report_the_rows_whose_drafter_had_a_backlog(tiny_target):
     # a drafter that did not run last step (a row that just joined, or k was 0) catches up first, so that
     # step's drafting time is no measure of drafting: the step says how many such rows drafted
