@@ -418,7 +418,8 @@ class CostModelPolicy(GammaPolicy):
     kernels than longer ones), so where a draft would clearly win if its scoring pass, unmeasured or not
     measured for REMEASURE_AFTER steps while drafting, cost no more than a shorter pass measured lately, it
     drafts that long to measure it — at most twice that shorter length, so a pass that proves dear costs a
-    bounded step.
+    bounded step. It explores only while drafting: from off (a choice of k = 0, or a probe) such a step would
+    make every row's drafter catch up on what it missed.
 
     After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
     noticed, and it switches back on only for a predicted gain above ``switch_on_margin`` (every drafter then

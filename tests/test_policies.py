@@ -344,6 +344,7 @@ def test_a_probe_leaves_speculation_off_so_switching_on_still_needs_a_clear_gain
     seq.scratch["policy:cost-model"].update(alpha())  # as before the probe: still a 5% gain
     assert policy.choose(seq, 4) == 0
 
+
 def run_with_true_costs(policy, seq, truth, accepted_share, steps):
     """Drive a policy for one sequence: every choice is "run" with scoring cost truth(n), 0.1 ms of drafting a
     token, and the given share of drafts accepted; the chosen ks are returned."""
@@ -546,7 +547,7 @@ def test_scoring_fewer_tokens_than_measured_is_bounded_not_extrapolated():
 
 def run_compute_bound_batch(policy, seqs, steps, alpha=0.96):
     """Drive a batch policy over 16 rows with costs shaped like the zoo's at batch 16 on two AVX2 cores:
-    scoring n tokens a row 16.6 ms + 10.7 ms·(n − 1), drafting k tokens 11.7 ms + 3.3 ms·k, and a row whose
+    scoring n tokens a row 16.6 ms + 10.7 ms·(n − 1) (ragged rows), drafting k tokens 11.7 ms + 3.3 ms·k, and a row whose
     drafter sat idle catching up 20 ms on its first drafting step; drafts accepted at rate α. Returns each
     step's ks."""
     idle = [True] * len(seqs)
@@ -558,7 +559,7 @@ def run_compute_bound_batch(policy, seqs, steps, alpha=0.96):
         backlog = [j for j in drafting if idle[j]]
         step = {"drafted": sum(ks), "draft_time": (0.0117 + 0.0033 * k) * bool(k) + 0.020 * len(backlog),
                 "verify_time": 0.0166 + 0.0107 * k, "batch_size": len(seqs), "scored": k + 1,
-                "draft_rows": len(drafting), "backlog_rows": len(backlog)}
+                "tokens": sum(kj + 1 for kj in ks), "draft_rows": len(drafting), "backlog_rows": len(backlog)}
         for j, (seq, kj) in enumerate(zip(seqs, ks)):
             idle[j] = kj == 0
             seq.scratch["batch_step"] = step
@@ -601,4 +602,3 @@ def test_a_probe_pass_over_ragged_rows_is_priced_as_the_plain_step_it_nearly_is(
     assert set(policy.costs.verify) == {(1, 16)}
     policy.costs.observe(1, 0.004, 0.030, 16, 2, False, 1, tokens=32)  # padded rows: 2 positions in every row
     assert policy.costs.verify[(2, 16)] == 0.030
-
