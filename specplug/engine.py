@@ -407,7 +407,7 @@ class Engine:
         step = {"scored": max(ks) + 1, "tokens": tokens, "drafted": sum(ks), "draft_rows": sum(1 for k in ks if k),
                 "backlog_rows": sum(1 for r in self.live if r.drafting and r.asked > 0 and not r.drafted_last),
                 "draft_time": draft_all, "verify_time": target_time + verify_time, "batch_size": B,
-                "tree_rows": sum(1 for s in shapes if s is not None)}
+                "tree_rows": sum(1 for s in shapes if s is not None), "padded": self.rows.padded}
         events, done = [], []
         for j, (req, verdict) in enumerate(zip(self.live, verdicts)):
             seq, stats = req.seq, req.stats

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -372,6 +373,10 @@ class Acceptance:
         """Tokens a step asking for k drafts emits on average."""
         return self.expected_upto(k)[k]
 
+    def reach_upto(self, cap: int) -> list[float]:
+        """How often a step asking for ``cap`` or more drafts d + 1 tokens or more, d = 0..cap - 1."""
+        return [self.reach[d] if d < len(self.reach) else 1.0 for d in range(cap)]
+
 
 def _step_tokens(acceptances: list["Acceptance | float"], max_ks: list[int], cap: int) -> list[float]:
     """Expected tokens all rows emit in a step drafting k = 0..cap (each row capped by its max_k), computed
@@ -382,6 +387,32 @@ def _step_tokens(acceptances: list["Acceptance | float"], max_ks: list[int], cap
         for k in range(cap + 1):
             tokens[k] += row[min(k, m)]
     return tokens
+
+
+def _step_positions(acceptances: list["Acceptance | float"], max_ks: list[int], cap: int,
+                    padded: bool = False) -> list[float]:
+    """Positions per row the target's pass is expected to score in a step asking k = 0..cap (each row capped
+    by its max_k): a proposer may draft fewer than asked (``ngram`` no further than its match), and the pass
+    scores what was drafted. Ragged rows: the rows' mean (a pass is priced by its positions over all rows);
+    ``padded`` rows: 1 + the expected longest draft, which every row is scored over."""
+    reaches = [Acceptance.of(a).reach_upto(min(cap, m)) for a, m in zip(acceptances, max_ks)]
+    # per depth d + 1: the positions per row it adds to the pass when asked for
+    if padded:  # scored in every row if any row drafts it
+        at_depth = [1 - float(np.prod([1 - reach[d] for reach in reaches if len(reach) > d])) for d in range(cap)]
+    else:
+        at_depth = [sum(reach[d] for reach in reaches if len(reach) > d) / max(len(reaches), 1) for d in range(cap)]
+    return [1.0 + sum(at_depth[:k]) for k in range(cap + 1)]
+
+
+def _between_passes(scoring, positions: float, batch_size: int) -> float | None:
+    """``scoring``'s cost at a mean of ``positions`` per row, between the whole passes around it (a fraction
+    of the steps score the longer one); None where either has no estimate."""
+    shorter = int(positions)
+    low = scoring(shorter, batch_size)
+    if positions == shorter or low is None:
+        return low
+    high = scoring(shorter + 1, batch_size)
+    return None if high is None else low + (high - low) * (positions - shorter)
 
 
 def _count(sums: list[float], successes: float, trials: float, decay: float) -> None:
@@ -402,8 +433,8 @@ def _ewma(old: float, new: float, decay: float) -> float:
 
 
 class CostModelPolicy(GammaPolicy):
-    """Choose k in 0..max_gamma maximising the expected tokens of a k-token draft over draft_time(k) +
-    verify_time(k + 1).
+    """Choose k in 0..max_gamma maximising the expected tokens of a k-token draft over draft_time(k) + the
+    scoring of the positions it is expected to draft (k + 1 for a proposer that always drafts what is asked).
 
     The expected tokens come from an :class:`Acceptance` estimated per request (decayed): how often its first
     drafted token is accepted, and how often each later one is once the one before it was; each starts from
@@ -454,6 +485,7 @@ class CostModelPolicy(GammaPolicy):
         self._probe_row = None  # the sequence the last one-row step drafted in (measured again, if it can)
         self._probing = False  # the last batch choice was a probe
         self._empty_row = None  # the row whose probe drafted nothing (the next probe tries another)
+        self._padded = False  # the last batch step scored every row over its longest draft (HF's padded rows)
         self.budgets = NodeBudgets()  # tree-drafting proposers: the node budget (node_budgets)
 
     def _state(self, seq) -> dict:
@@ -514,7 +546,8 @@ class CostModelPolicy(GammaPolicy):
             # MEASURE_K tokens in each, twice in a row, since the first also pays the drafter's backlog
             return -1
         tokens = _step_tokens(acceptances, max_ks, cap)
-        rates = self._rates(tokens, max_ks, batch_size, cap)
+        positions = _step_positions(acceptances, max_ks, cap, self._padded)
+        rates = [r or 0.0 for r in self._rates(tokens, max_ks, batch_size, cap, positions=positions)]
         best = max(rates)
         if off:
             # With speculation off only probes spend steps: exploring would make every row's drafter catch up on
@@ -526,9 +559,10 @@ class CostModelPolicy(GammaPolicy):
         # it would clearly win were that pass no dearer than a shorter one measured lately: a line through short
         # passes misjudges long ones both ways, and a measurement never repeated can lock in a pause. Each such
         # step at most doubles a measured length.
-        hopeful = self._rates(tokens, max_ks, batch_size, cap, REMEASURE_AFTER)
+        hopeful = [r or 0.0 for r in self._rates(tokens, max_ks, batch_size, cap, REMEASURE_AFTER, positions)]
         explore = max(range(cap + 1), key=lambda k: hopeful[k])
-        if not self.costs.is_fresh(explore + 1, batch_size) and hopeful[explore] > (1 + self.switch_on_margin) * best:
+        longest = math.ceil(positions[explore])  # the longer pass a step asking that many scores
+        if not self.costs.is_fresh(longest, batch_size) and hopeful[explore] > (1 + self.switch_on_margin) * best:
             return explore
         # No drafting where it is within 1% of the best: measured costs are noisy, and drafting that buys
         # nothing should not win a tie. Among drafting lengths the best predicted, with no margin (one drafts
@@ -538,10 +572,12 @@ class CostModelPolicy(GammaPolicy):
         return max(range(1, len(rates)), key=lambda k: rates[k])
 
     def _rates(self, tokens: list[float], max_ks: list[int], batch_size: int, cap: int,
-               stale_after: int | None = None) -> list[float]:
+               stale_after: int | None = None, positions: list[float] | None = None) -> list[float | None]:
         """Expected tokens per second of a step for k = 0..cap (``tokens[k]``: the rows' expected tokens, see
-        :func:`_step_tokens`; unmeasured drafting counted as free); with ``stale_after``, scoring passes not
-        measured within that many steps at their cheapest plausible cost (``hopeful_verify_time``)."""
+        :func:`_step_tokens`; unmeasured drafting counted as free), its pass priced at ``positions[k]`` per row
+        (see :func:`_step_positions`; default k + 1); None where that pass has no estimate. With
+        ``stale_after``, scoring passes not measured within that many steps at their cheapest plausible cost
+        (``hopeful_verify_time``)."""
         if stale_after is None:
             scoring = self.costs.verify_time
         else:
@@ -550,7 +586,8 @@ class CostModelPolicy(GammaPolicy):
         rates = []
         for k in range(cap + 1):  # k <= cap <= the largest max_k: the longest draft is k
             drafting = self.costs.draft_time(k, drafting_rows if k else 0)
-            rates.append(tokens[k] / ((drafting or 0.0) + scoring(k + 1, batch_size)))
+            seconds = _between_passes(scoring, k + 1 if positions is None else positions[k], batch_size)
+            rates.append(None if seconds is None else tokens[k] / ((drafting or 0.0) + seconds))
         return rates
 
     def _could_pay(self, max_ks: list[int], batch_size: int, hopeful: bool = False) -> bool:
@@ -564,6 +601,8 @@ class CostModelPolicy(GammaPolicy):
             return cap > 0
         rates = self._rates(_step_tokens([1.0] * len(max_ks), max_ks, cap), max_ks, batch_size, cap,
                             REMEASURE_AFTER if hopeful else None)
+        if None in rates:
+            return True  # a pass with no estimate yet: unknown
         return max(rates[1:]) > (1 + self.switch_on_margin) * rates[0]
 
     def _probe(self, idle: int, wait: int, k: int, can_draft: bool) -> tuple[int, int, int]:
@@ -610,8 +649,10 @@ class CostModelPolicy(GammaPolicy):
         if measured and not probing and self.costs.draft_time(1, sum(1 for m in max_ks if m > 0)) is not None:
             alphas = [self._alpha(s) for s in seqs]
             cap = min(self.max_gamma, max(max_ks))
-            tokens = _step_tokens([self._acceptance(s) for s in seqs], max_ks, cap)
-            rate = self._rates(tokens, max_ks, batch_size, cap)[min(k, cap)]
+            acceptances = [self._acceptance(s) for s in seqs]
+            tokens = _step_tokens(acceptances, max_ks, cap)
+            positions = _step_positions(acceptances, max_ks, cap, self._padded)
+            rate = self._rates(tokens, max_ks, batch_size, cap, positions=positions)[min(k, cap)] or 0.0
             budget, k = self.budgets.choose(seqs, alphas, max_ks, batch_size, k, rate, self.costs,
                                             self.costs.draft_time)
         for s in seqs:
@@ -670,6 +711,7 @@ class CostModelPolicy(GammaPolicy):
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
                                    step["scored"], clean, step["draft_rows"], step.get("tokens"))
                 self._last_rows = step["draft_rows"]
+                self._padded = step.get("padded", False)
                 self._empty_row = None
                 if self._probing and step["drafted"] == 0:  # probe again next step, in another row
                     self._batch_wait = max(self.probe_every, self._batch_wait // 2)

@@ -62,6 +62,7 @@ class BatchStep(TypedDict):
     verify_time: float  # seconds: the target's pass and the rule
     batch_size: int  # rows in the step
     tree_rows: int  # rows that drafted a tree
+    padded: bool  # every row was scored over K + 1 positions (HF's padded rows), not its own draft's
 
 
 @dataclass

@@ -521,6 +521,7 @@ def test_steps_report_the_positions_the_pass_scored_over_all_rows(tiny_target):
                    num_speculative_tokens=policy, max_batch_size=2)
     assert tiny_target.new_rows().padded is False  # the tiny Llama runs on the lean, ragged rows
     assert [s["tokens"] for s in policy.steps[:3]] == [6, 6, 2]  # 3 positions in each of two rows, then 1
+    assert not any(s["padded"] for s in policy.steps)
 
 
 def test_steps_report_the_rows_whose_drafter_had_a_backlog(tiny_target):

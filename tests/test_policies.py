@@ -4,7 +4,8 @@ import torch
 
 import specplug
 from specplug.plugins import UnknownProposerError, get_policy, list_policies
-from specplug.policies import MEASURE_K, REMEASURE_AFTER, CostModelPolicy, GammaPolicy, HeuristicPolicy, MeasuredCosts
+from specplug.policies import (MEASURE_K, REMEASURE_AFTER, Acceptance, CostModelPolicy, GammaPolicy, HeuristicPolicy,
+                               MeasuredCosts, _step_positions)
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
 from specplug.types import Proposal, Proposer
 
@@ -437,20 +438,66 @@ def test_cost_model_prices_only_the_drafts_a_proposer_makes_when_asked(tiny_targ
     assert policy._acceptance(seq).expected(8) == pytest.approx(5.0, rel=0.05)
 
 
+class SteepScoringCosts(ControlledCosts):
+    """Scoring n tokens 10 ms + 2 ms·n: a long pass is dear (a compute-bound target)."""
+
+    def verify_time(self, n, batch_size):
+        return 0.010 + 0.002 * n
+
+
+def drive_one_request(policy, target, steps, drafted=lambda step, k: k, accepted=lambda step, d: d):
+    """Run one request ``steps`` steps: of the k chosen the proposer drafts drafted(step, k), of which
+    accepted(step, d) are accepted; drafting 1 ms a token, scoring 10 ms + 0.5 ms a position (as reported:
+    a replaced ``costs`` prices them its own way). Each step's k."""
+    seq = seq_state(target)
+    seq.scratch["proposer"] = "p"
+    policy.begin(seq)
+    chosen = []
+    for step in range(steps):
+        chosen.append(policy.choose(seq, 8))
+        d = drafted(step, chosen[-1])
+        policy.update(seq, d, accepted(step, d), 0.001 * d, 0.010 + 0.0005 * (d + 1))
+    return chosen
+
+
+def test_cost_model_prices_a_draft_at_the_pass_it_scores_not_at_the_k_asked(tiny_target):
+    """A proposer that drafts at most 3 tokens on half the steps (a short match) and whatever it is asked on
+    the others, every draft accepted: asking for 8 scores 6.5 positions on average, not 9. Priced at 9,
+    asking for 3 looks best (4 tokens in 21 ms against 6.5 in 36 ms); priced at 6.5, asking for 8 is
+    (6.5 tokens in 31 ms)."""
+    policy = CostModelPolicy(max_gamma=8, costs=SteepScoringCosts(), probe_every=1000)
+    chosen = drive_one_request(policy, tiny_target, 200, lambda step, k: min(k, 3) if step % 2 else k)
+    assert chosen[-50:] == [8] * 50
+
+
+def test_a_padded_pass_is_priced_at_the_longest_draft_and_a_ragged_one_at_the_rows_mean():
+    # 8 rows asked for 8 drafts, each drafting 3 and, one time in 8, all 8: ragged rows score 1 + 3 + 5/8
+    # positions a row on average; padded rows score every row over the longest draft, and some row drafts
+    # each depth beyond 3 with chance 1 − (7/8)^8
+    reaching = Acceptance(1.0, 1.0, reach=(1.0, 1.0, 1.0) + (1 / 8,) * 5)
+    ragged = _step_positions([reaching] * 8, [8] * 8, 8)
+    padded = _step_positions([reaching] * 8, [8] * 8, 8, padded=True)
+    assert ragged[8] == pytest.approx(4.625) and ragged[:4] == [1.0, 2.0, 3.0, 4.0]
+    assert padded[8] == pytest.approx(4 + 5 * (1 - (7 / 8) ** 8)) and padded[:4] == [1.0, 2.0, 3.0, 4.0]
+    assert _step_positions([reaching, 1.0], [8, 0], 8)[8] == pytest.approx(1 + 3.625 / 2)  # one row not drafting
+
+
+def test_a_batch_size_whose_only_measured_pass_was_drafted_is_measured_further(tiny_target):
+    # one 3-token pass measured at this batch size, nothing longer: a 9-token pass has no estimate, which
+    # once raised a TypeError deep in the choice instead of measuring
+    policy = CostModelPolicy(max_gamma=8)
+    policy.costs.observe(2, 0.002, 0.012, 1)
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    assert policy.choose(seq, 8) == MEASURE_K
+
+
 def test_a_spell_of_short_drafts_does_not_keep_the_cost_model_short_for_good(tiny_target):
     """A proposer that drafts at most 2 tokens for 60 steps (ngram on short matches), then whatever it is asked,
     every draft accepted: once the policy settles at k = 2 it no longer sees how far the proposer reaches, so
     it must ask deeper again of its own accord to find that 8 pays."""
     policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts(), probe_every=1000)
-    seq = seq_state(tiny_target)
-    seq.scratch["proposer"] = "p"
-    policy.begin(seq)
-    chosen = []
-    for step in range(400):
-        k = policy.choose(seq, 8)
-        chosen.append(k)
-        drafted = min(k, 2) if step < 60 else k
-        policy.update(seq, drafted, drafted, 0.001 * drafted, 0.010 + 0.0005 * (drafted + 1))
+    chosen = drive_one_request(policy, tiny_target, 400, lambda step, k: min(k, 2) if step < 60 else k)
     assert chosen[20:60].count(2) >= 30  # the short spell: asking for more buys nothing (bar a look deeper)
     assert chosen[-100:] == [8] * 100
 
