@@ -10,12 +10,18 @@ one cell's runs; here every repeat runs each static γ, a fresh policy and one k
 rule before the relaxation). Prints each variant's median
 goodput (tokens/s) and the median over repeats of its goodput over the best static γ's in that repeat, the best
 being the static γ with the highest median (a per-repeat maximum over several γ would be biased up by the noise).
+
+At B = 1 it also prices every run by one line fitted to all of them, seconds = a·steps + b·drafted tokens, and
+prints that goodput too: the choices' quality without the machine's noise (a run's step count and drafted
+tokens depend only on the choices, greedy), though not what choosing costs (the policy's own time).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+
+import numpy as np
 
 import specplug
 from specplug.batch import generate_batch
@@ -46,22 +52,29 @@ def main() -> None:
         variants["no reach relaxation"] = "no-relax"
     relax = policies.REACH_RELAX
 
-    def run(gamma) -> float:
+    runs: list[tuple[str, float, int, int, int]] = []  # (variant, seconds, tokens, steps, drafted tokens)
+
+    def run(name: str) -> float:
+        gamma = variants[name]
         proposer = specplug.get_proposer(args.proposer, target=target)
         policy = CostModelPolicy(max_gamma=args.max_gamma) if gamma in (None, "no-relax") else gamma
         policies.REACH_RELAX = 1.0 if gamma == "no-relax" else relax  # read at each count
         start = time.perf_counter()
         results = generate_batch(target, proposer, prompts, max_new_tokens=args.tokens, sampling=sampling,
                                  num_speculative_tokens=policy, max_batch_size=args.batch_size)
-        return sum(len(r.tokens) for r in results) / (time.perf_counter() - start)
+        seconds, tokens = time.perf_counter() - start, sum(len(r.tokens) for r in results)
+        runs.append((name, seconds, tokens, sum(r.stats.target_calls for r in results),
+                     sum(r.stats.draft_tokens for r in results)))
+        return tokens / seconds
 
-    for gamma in variants.values():  # warm-up: every shape once, and the kept policy's first run
-        run(gamma)
+    for name in variants:  # warm-up: every shape once, and the kept policy's first run
+        run(name)
+    del runs[:]
     names = list(variants)
     goodput: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(args.repeats):
         for name in names[rep % len(names):] + names[: rep % len(names)]:
-            goodput[name].append(run(variants[name]))
+            goodput[name].append(run(name))
     static = [name for name in names if name.startswith("γ")]
     best = goodput[max(static, key=lambda name: statistics.median(goodput[name]))]
     print(f"{args.proposer}, B = {args.batch_size}, {args.requests} requests, {args.repeats} repeats")
@@ -69,6 +82,23 @@ def main() -> None:
         paired = statistics.median(g / b for g, b in zip(goodput[name], best))
         print(f"{name:18s} {statistics.median(goodput[name]):7.0f} tokens/s   {100 * (paired - 1):+5.1f}% against the "
               f"best static γ, paired by repeat")
+    if args.batch_size == 1:
+        print_priced_by_one_line(runs, static)
+
+
+def print_priced_by_one_line(runs: list[tuple[str, float, int, int, int]], static: list[str]) -> None:
+    """Each variant's goodput with every run priced by one least-squares line seconds = a·steps + b·drafted
+    tokens through all runs (its median, and against the best static γ's)."""
+    design = np.array([[steps, drafted] for _, _, _, steps, drafted in runs], dtype=float)
+    (a, b), *_ = np.linalg.lstsq(design, np.array([seconds for _, seconds, *_ in runs]), rcond=None)
+    priced: dict[str, list[float]] = {}
+    for name, _, tokens, steps, drafted in runs:
+        priced.setdefault(name, []).append(tokens / (a * steps + b * drafted))
+    best = statistics.median(max((priced[name] for name in static), key=statistics.median))
+    print(f"priced by one line: {1e3 * a:.2f} ms a step + {1e3 * b:.2f} ms a drafted token")
+    for name, values in priced.items():
+        print(f"{name:18s} {statistics.median(values):7.1f} tokens/s   {100 * (statistics.median(values) / best - 1):+5.1f}%"
+              f" against the best static γ (spread {min(values):.1f}–{max(values):.1f})")
 
 
 if __name__ == "__main__":
