@@ -428,6 +428,15 @@ def _count_rates(first: list[float], then: list[float], accepted: int, proposed:
         _count(then, accepted - 1, accepted - 1 + (accepted < proposed), decay)
 
 
+def _age(sums: list[float], steps: int, decay: float) -> None:
+    """Decay the [successes, trials] pair ``sums`` for ``steps`` steps that measured nothing, down to one
+    trial's weight at most: acceptance drifts along the text, so what was measured ages with the steps
+    since, and a probe after a pause counts for more (though never a whole rate)."""
+    if steps and sums[1] > 1.0:
+        keep = max(decay ** steps, 1.0 / sums[1])
+        sums[0], sums[1] = keep * sums[0], keep * sums[1]
+
+
 def _ewma(old: float, new: float, decay: float) -> float:
     return decay * old + (1 - decay) * new
 
@@ -726,7 +735,12 @@ class CostModelPolicy(GammaPolicy):
         if shape is None and state.get("asked"):
             self._count_reach(seq, state["asked"], proposed)
         if proposed == 0:
+            # a step that did not ask measured nothing while the text moved on (asked, a proposer drafting
+            # nothing measured its reach)
+            state["unmeasured"] = state.get("unmeasured", 0) + (not state.get("asked"))
             return
+        for rate in (state["first"], state["then"]):
+            _age(rate, state.pop("unmeasured", 0), self.rate_decay)
         if shape is not None:
             nodes, depth = shape
             budget = seq.scratch.get(NODE_BUDGET) or nodes  # a tree the policy did not ask for: keyed by its size

@@ -321,6 +321,18 @@ def test_a_scoring_pass_that_caught_a_pause_moves_the_estimate_by_at_most_twice_
     assert first.verify_time(2, 1) == pytest.approx(0.100)
 
 
+def test_what_was_measured_ages_while_off_so_one_accepted_probe_switches_speculation_back_on(tiny_target):
+    # 80 steps of rejected drafts switch speculation off; then the proposer starts matching the text (suffix
+    # reaching a repeat). A probe accepted after a long pause outweighs the old rejections it followed: it
+    # switches speculation on, where counted like a step drafted just before it, it took a second probe
+    # after a doubled wait (163 steps instead of 35)
+    policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts())
+    chosen = drive_one_request(policy, tiny_target, 400, accepted=lambda step, d: 0 if step < 80 else d)
+    assert chosen[70:80] == [0] * 10
+    switched_on = next(i for i in range(80, 400) if chosen[i] > 1)
+    assert chosen[80:switched_on].count(1) == 1  # the one probe
+
+
 def test_cost_model_switches_back_on_only_for_a_clear_gain(tiny_target):
     # α = 0.2 with ControlledCosts: drafting one token is predicted 5% faster than not drafting
     policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=1000)
