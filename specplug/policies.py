@@ -316,8 +316,10 @@ class MeasuredCosts:
         ~1.3 one-token steps, and some shapes hit faster kernels than shorter ones). Elsewhere
         :meth:`verify_time`."""
         if not self.is_fresh(n, batch_size, stale_after):
-            shorter = [(m, t) for m, t in self._measured_at(batch_size)
-                       if m < n and self.is_fresh(m, batch_size, stale_after)]
+            fresh = [(m, t) for m, t in self._measured_at(batch_size) if self.is_fresh(m, batch_size, stale_after)]
+            shorter = [(m, t) for m, t in fresh if m < n]
+            if shorter and any(m > n for m, _ in fresh):
+                return _between(fresh, n)  # between two passes measured lately: no need to explore it
             if shorter and n <= 2 * shorter[-1][0]:
                 return shorter[-1][1]
         return self.verify_time(n, batch_size)

@@ -371,13 +371,13 @@ def run_with_true_costs(policy, seq, truth, accepted_share, steps):
 
 def test_cost_model_measures_a_long_draft_when_a_short_pass_only_looks_dear(tiny_target):
     # scoring 2-3 tokens hits a slow kernel (30 ms, three plain steps) while 4-5 tokens cost 21 ms: the line
-    # through 1 and 3 tokens (what the measuring steps score) would rule drafting out; exploring finds the short
-    # pass as dear, then the long one (at most twice a measured length) cheap, and keeps it
+    # through 1 and 3 tokens (what the measuring steps score) would rule drafting out; exploring tries the long
+    # pass (at most twice a measured length), finds it cheap, and keeps it
     truth = {1: 0.010, 2: 0.030, 3: 0.030, 4: 0.0205, 5: 0.021}.get
     policy = CostModelPolicy(max_gamma=4, probe_every=1000)
     seq = seq_state(tiny_target)
     policy.begin(seq)
-    assert run_with_true_costs(policy, seq, truth, 1.0, 8) == [0, MEASURE_K, MEASURE_K, 1, 4, 4, 4, 4]
+    assert run_with_true_costs(policy, seq, truth, 1.0, 8) == [0, MEASURE_K, MEASURE_K, 4, 4, 4, 4, 4]
 
 
 def test_cost_model_explores_a_dear_long_pass_once_and_then_stays_off(tiny_target):
@@ -388,10 +388,22 @@ def test_cost_model_explores_a_dear_long_pass_once_and_then_stays_off(tiny_targe
     assert run_with_true_costs(policy, seq, truth, 1.0, 2) == [0, MEASURE_K]  # a plain step, then a short draft
     seq.scratch["policy:cost-model"].update(successes=0.9, trials=1.0, first=[0.9, 1.0], then=[0.9, 1.0])  # α = 0.9
     chosen = run_with_true_costs(policy, seq, truth, 0.75, 2 * REMEASURE_AFTER)
-    # it measures drafting once more, tries 1, 4 and 3 tokens (each could have paid had its pass cost no
-    # more than a shorter measured one; every first draft is accepted), finds each dear and stays off: each
-    # length tried once, a bounded price for not trusting the line
-    assert chosen[:4] == [MEASURE_K, 1, 4, 3] and set(chosen[4:]) == {0}
+    # it measures drafting once more, tries 4 tokens (which could have paid had its pass cost no more than
+    # the 3 measured; every first draft is accepted), finds it dear and stays off: a bounded price for not
+    # trusting the line
+    assert chosen[:2] == [MEASURE_K, 4] and set(chosen[2:]) == {0}
+
+
+def test_a_pass_between_two_measured_lately_is_interpolated_not_explored():
+    # at 16 rows, passes of 1, 2, 4 and 8 tokens a row measured lately, steeply dearer with each token (a
+    # compute-bound step): a 6-token pass lies between two of them, so it is no candidate for exploring at
+    # the 4-token pass's cost (that once had a policy switched on under load try every length in turn, each
+    # step drafting in all 16 rows)
+    costs = MeasuredCosts()
+    for n in (1, 2, 4, 8):
+        costs.observe(n - 1, 0.0, 0.016 + 0.010 * (n - 1), 16)
+    assert costs.hopeful_verify_time(6, 16) == pytest.approx(0.016 + 0.010 * 5)
+    assert costs.hopeful_verify_time(9, 16) == pytest.approx(costs.verify_time(8, 16))  # beyond: still hopeful
 
 
 def test_drafting_more_rows_is_never_estimated_cheaper_nor_fewer_rows_dearer():
