@@ -741,8 +741,9 @@ class CostModelPolicy(GammaPolicy):
             # nothing measured its reach)
             state["unmeasured"] = state.get("unmeasured", 0) + (not state.get("asked"))
             return
+        unmeasured = state.pop("unmeasured", 0)
         for rate in (state["first"], state["then"]):
-            _age(rate, state.pop("unmeasured", 0), self.rate_decay)
+            _age(rate, unmeasured, self.rate_decay)
         if shape is not None:
             nodes, depth = shape
             budget = seq.scratch.get(NODE_BUDGET) or nodes  # a tree the policy did not ask for: keyed by its size

@@ -333,6 +333,21 @@ def test_what_was_measured_ages_while_off_so_one_accepted_probe_switches_specula
     assert chosen[80:switched_on].count(1) == 1  # the one probe
 
 
+def test_both_acceptance_rates_age_over_the_steps_that_did_not_ask(tiny_target):
+    policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts())
+    seq = seq_state(tiny_target)
+    policy.begin(seq)
+    for _ in range(60):
+        policy.update(seq, 4, 4, 0.004, 0.0125)
+    state = policy._state(seq)
+    weights = state["first"][1], state["then"][1]
+    for _ in range(30):  # off: nothing asked, nothing measured
+        policy.update(seq, 0, 0, 0.0, 0.0105)
+    policy.update(seq, 4, 4, 0.004, 0.0125)
+    assert state["first"][1] == pytest.approx(0.95 * 0.95 ** 30 * weights[0] + 1)
+    assert state["then"][1] == pytest.approx(0.95 * 0.95 ** 30 * weights[1] + 3)
+
+
 def test_cost_model_switches_back_on_only_for_a_clear_gain(tiny_target):
     # α = 0.2 with ControlledCosts: drafting one token is predicted 5% faster than not drafting
     policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=1000)
