@@ -90,11 +90,11 @@ def print_priced_by_one_line(runs: list[tuple[str, float, int, int, int]], stati
     """Each variant's goodput with every run priced by one least-squares line seconds = a·steps + b·drafted
     tokens through all runs (its median, and against the best static γ's)."""
     design = np.array([[steps, drafted] for _, _, _, steps, drafted in runs], dtype=float)
-    seconds = np.array([seconds for _, seconds, *_ in runs])
-    (a, b), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    wall = np.array([seconds for _, seconds, *_ in runs])
+    (a, b), *_ = np.linalg.lstsq(design, wall, rcond=None)
     if b < 0:  # steps and drafted tokens moved together (few static γ): no share for drafting to find
         print("the line's drafting part came out negative: priced by steps alone (add γ = 0 to --gammas)")
-        a, b = float(design[:, 0] @ seconds / (design[:, 0] @ design[:, 0])), 0.0
+        a, b = float(design[:, 0] @ wall / (design[:, 0] @ design[:, 0])), 0.0
     priced: dict[str, list[float]] = {}
     for name, _, tokens, steps, drafted in runs:
         priced.setdefault(name, []).append(tokens / (a * steps + b * drafted))
