@@ -311,10 +311,10 @@ class MeasuredCosts:
     @_memoised
     def hopeful_verify_time(self, n: int, batch_size: int, stale_after: int = REMEASURE_AFTER) -> float | None:
         """The cheapest cost consistent with what was measured lately, for a pass not measured lately (never,
-        or ``stale_after`` steps ago) and at most twice as long as a shorter one that was: that one's cost
-        (scoring more never costs less, and may cost hardly more: on a CPU with bf16 products 9 tokens cost
-        ~1.3 one-token steps, and some shapes hit faster kernels than shorter ones). Elsewhere
-        :meth:`verify_time`."""
+        or ``stale_after`` steps ago): between two passes that were, interpolated; beyond the longest, and at
+        most twice as long as it, that one's cost (scoring more never costs less, and may cost hardly more: on
+        a CPU with bf16 products 9 tokens cost ~1.3 one-token steps, and some shapes hit faster kernels than
+        shorter ones). Elsewhere :meth:`verify_time`."""
         if not self.is_fresh(n, batch_size, stale_after):
             fresh = [(m, t) for m, t in self._measured_at(batch_size) if self.is_fresh(m, batch_size, stale_after)]
             shorter = [(m, t) for m, t in fresh if m < n]
@@ -400,7 +400,7 @@ def _step_positions(acceptances: list["Acceptance | float"], max_ks: list[int], 
     reaches = [Acceptance.of(a).reach_upto(min(cap, m)) for a, m in zip(acceptances, max_ks)]
     # per depth d + 1: the positions per row it adds to the pass when asked for
     if padded:  # scored in every row if any row drafts it
-        at_depth = [1 - float(np.prod([1 - reach[d] for reach in reaches if len(reach) > d])) for d in range(cap)]
+        at_depth = [1 - math.prod(1 - reach[d] for reach in reaches if len(reach) > d) for d in range(cap)]
     else:
         at_depth = [sum(reach[d] for reach in reaches if len(reach) > d) / max(len(reaches), 1) for d in range(cap)]
     return [1.0 + sum(at_depth[:k]) for k in range(cap + 1)]
