@@ -467,9 +467,12 @@ class CostModelPolicy(GammaPolicy):
     noticed, and it switches back on only for a predicted gain above ``switch_on_margin`` (every drafter then
     catches up on what it missed); each probe that changes nothing doubles the wait (up to 16×). A probe whose
     proposer drafted nothing (``ngram`` without a match) tested nothing: the next step probes again, in a
-    batch in another row, at no cost beyond a plain step. Where the
+    batch in another row, at no cost beyond a plain step. In a batch a probe drafts in one row, or, where
+    every row's drafter catching up was measured to cost no more than a plain step, MEASURE_K tokens in every
+    row (:meth:`_measure_from_off`). Where the
     scoring cost alone rules drafting out even if every draft were accepted, it neither measures drafting
-    nor probes: no α could change the choice.
+    nor probes: no α could change the choice (where a probe would measure every row, passes not measured
+    lately count at their cheapest plausible cost: such a probe measures them again).
 
     In a batch (``choose_batch``) it picks one k for the step, maximising the tokens all rows emit per second
     of the step, since every row waits for the longest draft and all drafting. ``costs`` may be replaced
@@ -497,6 +500,7 @@ class CostModelPolicy(GammaPolicy):
         self._probing = False  # the last batch choice was a probe
         self._empty_row = None  # the row whose probe drafted nothing (the next probe tries another)
         self._padded = False  # the last batch step scored every row over its longest draft (HF's padded rows)
+        self._catch_up: float | None = None  # drafting seconds per row with a backlog, in the last step with any
         self.budgets = NodeBudgets()  # tree-drafting proposers: the node budget (node_budgets)
 
     def _state(self, seq) -> dict:
@@ -672,7 +676,8 @@ class CostModelPolicy(GammaPolicy):
 
     def choose_batch(self, seqs, max_ks):
         """One k for the whole step (each row capped by its own max_k); a probe drafts one token in one row
-        only (the likeliest to be accepted), which is all it needs to learn whether α has changed."""
+        only (the likeliest to be accepted), which is all it needs to learn whether α has changed, unless
+        drafting in every row costs hardly more (see :meth:`_measure_from_off`)."""
         with self._frozen():
             ks = self._choose_batch(seqs, max_ks)
         for seq, k in zip(seqs, ks):
@@ -688,13 +693,31 @@ class CostModelPolicy(GammaPolicy):
             ks = [min(MEASURE_K, m) for m in max_ks]
             return self._with_budget(seqs, max_ks, len(seqs), ks, True) if tree else ks
         idle = k == 0
-        can_probe = idle and self._could_pay(list(max_ks), len(seqs))
+        # a probe that measures every row may check passes not measured lately; one in one row cannot (it
+        # scores a plain pass), so it is spent only where the measured costs leave room for a gain
+        measuring = self._measure_from_off(len(seqs))
+        can_probe = idle and self._could_pay(list(max_ks), len(seqs), hopeful=measuring)
         k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, can_probe)
         self._probing = idle and k > 0
         self._batch_k = 0 if self._probing else k
-        firsts = [a.first for a in acceptances]
-        ks = self._one_row(seqs, firsts, max_ks) if self._probing else [min(k, m) for m in max_ks]
+        if self._probing and measuring:
+            ks = [min(MEASURE_K, m) for m in max_ks]
+        elif self._probing:
+            ks = self._one_row(seqs, [a.first for a in acceptances], max_ks)
+        else:
+            ks = [min(k, m) for m in max_ks]
         return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
+
+    def _measure_from_off(self, batch_size: int) -> bool:
+        """Whether a probe drafts MEASURE_K tokens in every row instead of one token in one row: where all rows'
+        drafters catching up was measured to cost no more than a plain step (``ngram``, ``suffix``). Such a
+        probe measures a drafted pass and every row's rates; over ragged rows a one-row probe scores a plain
+        pass and one row, so a drafted pass measured dear on a slow spell, or a few early rejections in the
+        other rows, kept speculation off for good. Where catching up is dear (a model drafter, under load)
+        probes stay in one row ("Off means off", docs/policies.md)."""
+        plain = self.costs.verify_time(1, batch_size)
+        return (batch_size > 1 and self._catch_up is not None and plain is not None
+                and batch_size * self._catch_up <= plain)
 
     def _one_row(self, seqs, firsts: list[float], max_ks: list[int]) -> list[int]:
         """k = 1 in one row: the one measured last step if it can draft (its drafter has no backlog), else the
@@ -722,6 +745,8 @@ class CostModelPolicy(GammaPolicy):
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
                                    step["scored"], clean, step["draft_rows"], step.get("tokens"))
                 self._last_rows = step["draft_rows"]
+                if step.get("backlog_rows"):
+                    self._catch_up = step["draft_time"] / step["backlog_rows"]
                 self._padded = step.get("padded", False)
                 self._empty_row = None
                 if self._probing and step["drafted"] == 0:  # probe again next step, in another row

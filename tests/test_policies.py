@@ -631,28 +631,36 @@ def test_scoring_fewer_tokens_than_measured_is_bounded_not_extrapolated():
     assert costs.verify_time(9, 4) >= 0.0152  # beyond the longest: on their line, never below it
 
 
-def run_compute_bound_batch(policy, seqs, steps, alpha=0.96):
-    """Drive a batch policy over 16 rows with costs shaped like the zoo's at batch 16 on two AVX2 cores:
-    scoring n tokens a row 16.6 ms + 10.7 ms·(n − 1) (ragged rows), drafting k tokens 11.7 ms + 3.3 ms·k, and a row whose
-    drafter sat idle catching up 20 ms on its first drafting step; drafts accepted at rate α. Returns each
-    step's ks."""
+def run_batch(policy, seqs, steps, scoring, drafting, catch_up, alpha):
+    """Drive a batch policy over ragged rows: a step whose rows draft ks costs scoring(ks) to score,
+    drafting(max k) to draft, and catch_up seconds more for each row whose drafter sat idle the step before;
+    drafts accepted at rate alpha(step) (a fixed pseudo-random draw per step, row and depth). Each step's ks."""
     idle = [True] * len(seqs)
     chosen = []
     for _ in range(steps):
         ks = policy.choose_batch(seqs, [8] * len(seqs))
         k = max(ks)
-        drafting = [j for j, kj in enumerate(ks) if kj]
-        backlog = [j for j in drafting if idle[j]]
-        step = {"drafted": sum(ks), "draft_time": (0.0117 + 0.0033 * k) * bool(k) + 0.020 * len(backlog),
-                "verify_time": 0.0166 + 0.0107 * k, "batch_size": len(seqs), "scored": k + 1,
-                "tokens": sum(kj + 1 for kj in ks), "draft_rows": len(drafting), "backlog_rows": len(backlog)}
+        drafting_rows = [j for j, kj in enumerate(ks) if kj]
+        backlog = [j for j in drafting_rows if idle[j]]
+        step = {"drafted": sum(ks), "draft_time": drafting(k) * bool(k) + catch_up * len(backlog),
+                "verify_time": scoring(ks), "batch_size": len(seqs), "scored": k + 1,
+                "tokens": sum(kj + 1 for kj in ks), "draft_rows": len(drafting_rows), "backlog_rows": len(backlog)}
+        rate = alpha(len(chosen))
         for j, (seq, kj) in enumerate(zip(seqs, ks)):
             idle[j] = kj == 0
             seq.scratch["batch_step"] = step
-            accepted = next((i for i in range(kj) if (hash((len(chosen), j, i)) % 100) >= 100 * alpha), kj)
+            accepted = next((i for i in range(kj) if (hash((len(chosen), j, i)) % 100) >= 100 * rate), kj)
             policy.update(seq, kj, accepted, 0.0, 0.0, len(seqs))
         chosen.append(ks)
     return chosen
+
+
+def run_compute_bound_batch(policy, seqs, steps, alpha=0.96):
+    """:func:`run_batch` over 16 rows with costs shaped like the zoo's at batch 16 on two AVX2 cores: scoring
+    16.6 ms + 10.7 ms a token of the longest draft, drafting k tokens 11.7 ms + 3.3 ms·k, and a row whose
+    drafter sat idle catching up 20 ms on its first drafting step; drafts accepted at rate α."""
+    return run_batch(policy, seqs, steps, lambda ks: 0.0166 + 0.0107 * max(ks), lambda k: 0.0117 + 0.0033 * k,
+                     0.020, lambda step: alpha)
 
 
 def test_switched_off_under_load_the_cost_model_drafts_in_all_rows_no_more():
@@ -688,3 +696,50 @@ def test_a_probe_pass_over_ragged_rows_is_priced_as_the_plain_step_it_nearly_is(
     assert set(policy.costs.verify) == {(1, 16)}
     policy.costs.observe(1, 0.004, 0.030, 16, 2, False, 1, tokens=32)  # padded rows: 2 positions in every row
     assert policy.costs.verify[(2, 16)] == 0.030
+
+
+def off_with_a_dear_pass_measured_long_ago(catch_up, rows=4):
+    """A kept policy over ``rows`` rows, off: a 2-token pass measured twice, long ago, on a slow spell (24 ms;
+    every row's drafter catching up ``catch_up`` seconds in the first), plain steps measured lately at 13.5 ms;
+    the proposer's drafts mostly accepted."""
+    policy = CostModelPolicy(max_gamma=8)
+    seqs = [seq_state(None) for _ in range(rows)]
+    step = {"drafted": rows, "draft_time": 0.0002 + catch_up * rows, "verify_time": 0.024, "batch_size": rows,
+            "scored": 2, "tokens": 2 * rows, "draft_rows": rows, "backlog_rows": rows}
+    for seq in seqs:
+        policy.begin(seq)
+        seq.scratch["batch_step"] = step
+        policy.update(seq, 1, 1, 0.0, 0.0, rows)
+    policy.costs.observe(rows, 0.0002, 0.024, rows, scored=2, draft_rows=rows, tokens=2 * rows)  # no backlog
+    for _ in range(REMEASURE_AFTER + 1):
+        policy.costs.observe(0, 0.0, 0.0135, rows, scored=1, tokens=rows)
+    policy._batch_idle, policy._batch_k = 1, 0
+    return policy, seqs
+
+
+def ngram_like_batch(policy, seqs, steps, catch_up):
+    """:func:`run_batch` with costs like ``ngram``'s at batch 4 on two AVX2 cores: scoring 13.5 ms + 4 ms a
+    position per row, averaged over the ragged rows; drafting 0.2 ms; drafts accepted at 0.9."""
+    return run_batch(policy, seqs, steps, lambda ks: 0.0135 + 0.004 * sum(ks) / len(ks), lambda k: 0.0002,
+                     catch_up, lambda step: 0.9)
+
+
+def test_where_catching_up_is_cheap_a_probe_measures_every_row_so_one_dear_pass_cannot_keep_speculation_off():
+    # Over ragged rows a one-row probe scores a plain pass: a 2-token pass measured dear once (24 ms, 1.8×
+    # a plain step, where it costs 1.3×) kept a kept ngram policy at k = 0 for 508 of 511 steps at B = 4.
+    # Where every drafter catching up was measured cheap, a probe drafts MEASURE_K in every row instead: it
+    # measures a drafted pass and every row's rates, and speculation switches on
+    policy, seqs = off_with_a_dear_pass_measured_long_ago(catch_up=0.0003)
+    chosen = ngram_like_batch(policy, seqs, 100, catch_up=0.0003)
+    probe = next(i for i, ks in enumerate(chosen) if max(ks))
+    assert chosen[probe] == [MEASURE_K] * 4
+    assert all(min(ks) > 0 for ks in chosen[probe + 1:])
+
+
+def test_where_catching_up_is_dear_a_probe_drafts_in_one_row_only():
+    # the same dear pass, but each drafter catching up costs 20 ms (a model drafter): all four would cost far
+    # more than a plain step, so probes stay in one row and speculation off ("Off means off")
+    policy, seqs = off_with_a_dear_pass_measured_long_ago(catch_up=0.020)
+    chosen = ngram_like_batch(policy, seqs, 100, catch_up=0.020)
+    assert any(max(ks) for ks in chosen)
+    assert all(sum(1 for k in ks if k) <= 1 and max(ks) <= 1 for ks in chosen)
