@@ -695,7 +695,7 @@ class CostModelPolicy(GammaPolicy):
         idle = k == 0
         # a probe that measures every row may check passes not measured lately; one in one row cannot (it
         # scores a plain pass), so it is spent only where the measured costs leave room for a gain
-        measuring = self._measure_from_off(len(seqs))
+        measuring = idle and self._measure_from_off(len(seqs))
         can_probe = idle and self._could_pay(list(max_ks), len(seqs), hopeful=measuring)
         k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, can_probe)
         self._probing = idle and k > 0

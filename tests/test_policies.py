@@ -634,7 +634,7 @@ def test_scoring_fewer_tokens_than_measured_is_bounded_not_extrapolated():
 def run_batch(policy, seqs, steps, scoring, drafting, catch_up, alpha):
     """Drive a batch policy over ragged rows: a step whose rows draft ks costs scoring(ks) to score,
     drafting(max k) to draft, and catch_up seconds more for each row whose drafter sat idle the step before;
-    drafts accepted at rate alpha(step) (a fixed pseudo-random draw per step, row and depth). Each step's ks."""
+    drafts accepted at rate alpha (a fixed pseudo-random draw per step, row and depth). Each step's ks."""
     idle = [True] * len(seqs)
     chosen = []
     for _ in range(steps):
@@ -645,11 +645,10 @@ def run_batch(policy, seqs, steps, scoring, drafting, catch_up, alpha):
         step = {"drafted": sum(ks), "draft_time": drafting(k) * bool(k) + catch_up * len(backlog),
                 "verify_time": scoring(ks), "batch_size": len(seqs), "scored": k + 1,
                 "tokens": sum(kj + 1 for kj in ks), "draft_rows": len(drafting_rows), "backlog_rows": len(backlog)}
-        rate = alpha(len(chosen))
         for j, (seq, kj) in enumerate(zip(seqs, ks)):
             idle[j] = kj == 0
             seq.scratch["batch_step"] = step
-            accepted = next((i for i in range(kj) if (hash((len(chosen), j, i)) % 100) >= 100 * rate), kj)
+            accepted = next((i for i in range(kj) if (hash((len(chosen), j, i)) % 100) >= 100 * alpha), kj)
             policy.update(seq, kj, accepted, 0.0, 0.0, len(seqs))
         chosen.append(ks)
     return chosen
@@ -660,7 +659,7 @@ def run_compute_bound_batch(policy, seqs, steps, alpha=0.96):
     16.6 ms + 10.7 ms a token of the longest draft, drafting k tokens 11.7 ms + 3.3 ms·k, and a row whose
     drafter sat idle catching up 20 ms on its first drafting step; drafts accepted at rate α."""
     return run_batch(policy, seqs, steps, lambda ks: 0.0166 + 0.0107 * max(ks), lambda k: 0.0117 + 0.0033 * k,
-                     0.020, lambda step: alpha)
+                     0.020, alpha)
 
 
 def test_switched_off_under_load_the_cost_model_drafts_in_all_rows_no_more():
@@ -721,7 +720,7 @@ def ngram_like_batch(policy, seqs, steps, catch_up):
     """:func:`run_batch` with costs like ``ngram``'s at batch 4 on two AVX2 cores: scoring 13.5 ms + 4 ms a
     position per row, averaged over the ragged rows; drafting 0.2 ms; drafts accepted at 0.9."""
     return run_batch(policy, seqs, steps, lambda ks: 0.0135 + 0.004 * sum(ks) / len(ks), lambda k: 0.0002,
-                     catch_up, lambda step: 0.9)
+                     catch_up, 0.9)
 
 
 def test_where_catching_up_is_cheap_a_probe_measures_every_row_so_one_dear_pass_cannot_keep_speculation_off():
