@@ -14,6 +14,11 @@ being the static γ with the highest median (a per-repeat maximum over several �
 At B = 1 it also prices every run by one line fitted to all of them, seconds = a·steps + b·drafted tokens, and
 prints that goodput too: the choices' quality without the machine's noise (a run's step count and drafted
 tokens depend only on the choices, greedy), though not what choosing costs (the policy's own time).
+
+At every B it also prices the target's passes by a table: each step's pass (rule included) at the median over all
+runs of every pass with the same rows and positions scored, the rest of each run (drafting, catching up, choosing,
+updating, prefill) as measured. The target's passes are most of a step and the part slow spells stretch most, so
+this takes most of the noise out while keeping every cost a policy's choices cause.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import numpy as np
 
 import specplug
 from specplug.batch import generate_batch
+from specplug.engine import as_policy
 from specplug.bench.workloads import humaneval_prompts
 from specplug import policies
 from specplug.policies import CostModelPolicy
@@ -53,11 +59,13 @@ def main() -> None:
     relax = policies.REACH_RELAX
 
     runs: list[tuple[str, float, int, int, int]] = []  # (variant, seconds, tokens, steps, drafted tokens)
+    passes: list[list[tuple[int, int, float]]] = []  # per run, its steps' (rows, positions scored, seconds)
 
     def run(name: str) -> float:
         gamma = variants[name]
         proposer = specplug.get_proposer(args.proposer, target=target)
         policy = CostModelPolicy(max_gamma=args.max_gamma) if gamma in (None, "no-relax") else gamma
+        policy = StepRecorder(as_policy(policy))
         policies.REACH_RELAX = 1.0 if gamma == "no-relax" else relax  # read at each count
         start = time.perf_counter()
         results = generate_batch(target, proposer, prompts, max_new_tokens=args.tokens, sampling=sampling,
@@ -65,11 +73,12 @@ def main() -> None:
         seconds, tokens = time.perf_counter() - start, sum(len(r.tokens) for r in results)
         runs.append((name, seconds, tokens, sum(r.stats.target_calls for r in results),
                      sum(r.stats.draft_tokens for r in results)))
+        passes.append(policy.passes)
         return tokens / seconds
 
     for name in variants:  # warm-up: every shape once, and the kept policy's first run
         run(name)
-    del runs[:]
+    del runs[:], passes[:]
     names = list(variants)
     goodput: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(args.repeats):
@@ -84,6 +93,52 @@ def main() -> None:
               f"best static γ, paired by repeat")
     if args.batch_size == 1:
         print_priced_by_one_line(runs, static)
+    print_priced_by_pass_table(runs, passes, static)
+
+
+class StepRecorder:
+    """``policy`` as it is (choices, updates, ``choose_batch`` where it has one), recording what each step's
+    target pass scored and cost: ``passes``, (rows, positions, seconds) per step."""
+
+    def __init__(self, policy):
+        self.policy, self.passes, self._last = policy, [], None
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
+        step = seq.scratch.get("batch_step")
+        if step is None:  # one row: its own step
+            self.passes.append((1, proposed + 1, verify_time))
+        elif step is not self._last:  # a batch: every row reports the same step
+            self._last = step
+            self.passes.append((step["batch_size"], step["tokens"], step["verify_time"]))
+        update = getattr(self.policy, "update", None)
+        if update is not None:
+            update(seq, proposed, accepted, draft_time, verify_time, batch_size)
+
+
+def print_priced_by_pass_table(runs: list[tuple[str, float, int, int, int]], passes: list[list[tuple[int, int, float]]],
+                               static: list[str]) -> None:
+    """Each variant's goodput with its target passes priced by the median of all runs' passes of the same shape
+    (rows, positions) and the rest of its time as measured (its median, and against the best static γ's)."""
+    shapes: dict[tuple[int, int], list[float]] = {}
+    for steps in passes:
+        for rows, positions, seconds in steps:
+            shapes.setdefault((rows, positions), []).append(seconds)
+    table = {shape: statistics.median(times) for shape, times in shapes.items()}
+    priced: dict[str, list[float]] = {}
+    shares = []
+    for (name, seconds, tokens, *_), steps in zip(runs, passes):
+        measured = sum(s for *_, s in steps)
+        shares.append(measured / seconds)
+        priced.setdefault(name, []).append(tokens / (seconds - measured + sum(table[r, n] for r, n, _ in steps)))
+    best = statistics.median(max((priced[name] for name in static), key=statistics.median))
+    print(f"target passes priced by the median of {len(table)} pass shapes over all runs (the passes were "
+          f"{100 * statistics.median(shares):.0f}% of a run's time, median):")
+    for name, values in priced.items():
+        print(f"{name:18s} {statistics.median(values):7.1f} tokens/s   {100 * (statistics.median(values) / best - 1):+5.1f}%"
+              f" against the best static γ (spread {min(values):.1f}–{max(values):.1f})")
 
 
 def print_priced_by_one_line(runs: list[tuple[str, float, int, int, int]], static: list[str]) -> None:
