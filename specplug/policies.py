@@ -475,8 +475,9 @@ class CostModelPolicy(GammaPolicy):
     lately count at their cheapest plausible cost: such a probe measures them again).
 
     In a batch (``choose_batch``) it picks one k for the step, maximising the tokens all rows emit per second
-    of the step, since every row waits for the longest draft and all drafting. ``costs`` may be replaced
-    (tests use a controlled one).
+    of the step, since every row waits for the longest draft and all drafting; over ragged rows a row whose
+    deeper drafts would not repay the positions they add then drafts fewer, one at least (:meth:`_trimmed`).
+    ``costs`` may be replaced (tests use a controlled one).
     """
 
     name = "cost-model"
@@ -704,9 +705,39 @@ class CostModelPolicy(GammaPolicy):
             ks = [min(MEASURE_K, m) for m in max_ks]
         elif self._probing:
             ks = self._one_row(seqs, [a.first for a in acceptances], max_ks)
-        else:
+        elif tree:
             ks = [min(k, m) for m in max_ks]
+        else:
+            ks = self._trimmed(acceptances, [min(k, m) for m in max_ks], max_ks, len(seqs))
         return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
+
+    def _trimmed(self, acceptances: list[Acceptance], ks: list[int], max_ks: list[int], batch_size: int) -> list[int]:
+        """Each row's k after dropping its deepest drafts where they are expected to add fewer tokens than the
+        positions they cost bring at the step's rate (ragged rows score each row's own draft); a row keeps
+        one token at least, so every row's rates are measured at each drafting step (rows left at 0 came back
+        late: docs/policies.md)."""
+        k = max(ks)
+        longest, plain = self.costs.verify_time(k + 1, batch_size), self.costs.verify_time(1, batch_size)
+        if k < 2 or self._padded or longest is None or plain is None or not self.costs.is_fresh(k + 1, batch_size):
+            # padded rows score every row over the longest draft: a shorter one saves nothing; a longest pass
+            # not measured lately is measured by this step (a step exploring it, or a stale estimate)
+            return ks
+        per_position = max(longest - plain, 0.0) / (k * batch_size)
+        cap = min(self.max_gamma, max(max_ks))
+        tokens = _step_tokens(acceptances, max_ks, cap)
+        positions = _step_positions(acceptances, max_ks, cap)
+        rate = self._rates(tokens, max_ks, batch_size, cap, positions=positions)[k]
+        if not rate:
+            return ks
+        trimmed = []
+        for acceptance, row_k in zip(acceptances, ks):
+            tokens_at, reach = acceptance.expected_upto(row_k), acceptance.reach_upto(row_k)
+            depth = min(row_k, 1)
+            # the d + 1-th draft adds tokens_at[d + 1] - tokens_at[d] and, where drafted, one position
+            while depth < row_k and tokens_at[depth + 1] - tokens_at[depth] >= rate * per_position * reach[depth]:
+                depth += 1
+            trimmed.append(depth)
+        return trimmed
 
     def _measure_from_off(self, batch_size: int) -> bool:
         """Whether a probe drafts MEASURE_K tokens in every row instead of one token in one row: where all rows'

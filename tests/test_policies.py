@@ -243,6 +243,40 @@ def test_cost_model_does_not_probe_where_even_full_acceptance_could_not_pay(tiny
     assert any(sum(policy.choose_batch(seqs[:4], [4] * 4)) == 1 for _ in range(6))
 
 
+class RaggedCosts(BatchCosts):
+    """:class:`BatchCosts` whose every pass was measured lately (none needs exploring)."""
+
+    def is_fresh(self, n, batch_size, stale_after=REMEASURE_AFTER):
+        return True
+
+
+def rows_one_accepting_all_three_rejecting(target, padded=False):
+    """A batch policy over 4 rows: row 0's drafts all accepted, the other rows' first draft nearly always
+    rejected; scoring 10 ms + 0.5 ms a position over all rows (ragged) or over the longest draft (padded)."""
+    policy = CostModelPolicy(max_gamma=8, costs=RaggedCosts(0.0005), probe_every=1000)
+    policy._padded = padded
+    seqs = [seq_state(target) for _ in range(4)]
+    for j, seq in enumerate(seqs):
+        policy.begin(seq)
+        for step in range(20):
+            policy.update(seq, 4, 4 if j == 0 else int(step % 10 == 0), 0.0004, 0.012)
+    return policy, seqs
+
+
+def test_in_a_batch_a_row_whose_deeper_drafts_would_not_repay_their_positions_drafts_one_token(tiny_target):
+    # the step's k is set by row 0; over ragged rows each drafted token costs a position in its own row only,
+    # so the rows whose first draft is rarely accepted draft one token (still measured) and not the step's k
+    policy, seqs = rows_one_accepting_all_three_rejecting(tiny_target)
+    ks = policy.choose_batch(seqs, [8] * 4)
+    assert ks[0] >= 4 and ks[1:] == [1, 1, 1]
+
+
+def test_padded_rows_all_draft_the_steps_k_since_every_row_is_scored_over_the_longest_draft(tiny_target):
+    policy, seqs = rows_one_accepting_all_three_rejecting(tiny_target, padded=True)
+    ks = policy.choose_batch(seqs, [8] * 4)
+    assert ks[0] >= 4 and ks[1:] == [ks[0]] * 3
+
+
 @pytest.mark.parametrize("slope, expect_speculation", [(0.0001, True), (0.004, False)])
 def test_cost_model_batch_choice_follows_the_scoring_cost_of_the_batch(tiny_target, slope, expect_speculation):
     policy = CostModelPolicy(max_gamma=8, costs=BatchCosts(slope), probe_every=1000)
