@@ -712,10 +712,10 @@ class CostModelPolicy(GammaPolicy):
         return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
 
     def _trimmed(self, acceptances: list[Acceptance], ks: list[int], max_ks: list[int], batch_size: int) -> list[int]:
-        """Each row's k after dropping its deepest drafts where they are expected to add fewer tokens than the
-        positions they cost bring at the step's rate (ragged rows score each row's own draft); a row keeps
-        one token at least, so every row's rates are measured at each drafting step (rows left at 0 came back
-        late: docs/policies.md)."""
+        """Each row's k after dropping its deepest drafts where the tokens they are expected to add fall below
+        what the positions they add cost at the step's rate, in tokens per second (ragged rows score each
+        row's own draft); a row keeps one token at least, so every row's rates are measured at each drafting
+        step (rows left at 0 came back late: docs/policies.md)."""
         k = max(ks)
         longest, plain = self.costs.verify_time(k + 1, batch_size), self.costs.verify_time(1, batch_size)
         if k < 2 or self._padded or longest is None or plain is None or not self.costs.is_fresh(k + 1, batch_size):
