@@ -543,24 +543,25 @@ class CostModelPolicy(GammaPolicy):
     def best_k(self, acceptance: Acceptance | float, max_k: int, batch_size: int = 1, off: bool = False) -> int:
         """The k one request with this acceptance (an i.i.d. α, or two rates) drafts now; ``off``: speculation
         is off (the last choice was no drafting, or a probe)."""
-        k = self._best([acceptance], [max_k], batch_size, off)
+        k, _ = self._best([acceptance], [max_k], batch_size, off)
         return min(MEASURE_K, max_k) if k < 0 else k
 
     def _best(self, acceptances: list[Acceptance | float], max_ks: list[int], batch_size: int,
-              off: bool = False) -> int:
-        """The k (capped per row by max_ks) maximising the rows' expected tokens per second of one step."""
+              off: bool = False) -> tuple[int, list[float] | None]:
+        """The k (capped per row by max_ks) maximising the rows' expected tokens per second of one step (-1:
+        measure), and those rates for k = 0..cap where it priced them (else None)."""
         cap = min(self.max_gamma, max(max_ks))
         if cap <= 0:
-            return 0
+            return 0, None
         if self.costs.verify_time(1, batch_size) is None:
-            return 0  # measure a plain step at this load first
+            return 0, None  # measure a plain step at this load first
         rows = sum(1 for m in max_ks if m > 0)
         if self.costs.verify_time(cap + 1, batch_size) is None or self.costs.draft_time(1, rows) is None:
             if not self._could_pay(max_ks, batch_size, hopeful=True):
-                return 0  # the scoring cost alone rules drafting out: no need to measure what drafting costs
+                return 0, None  # the scoring cost alone rules drafting out: no need to measure drafting
             # then drafting that measures a longer scoring pass and what drafting in these rows costs:
             # MEASURE_K tokens in each, twice in a row, since the first also pays the drafter's backlog
-            return -1
+            return -1, None
         tokens = _step_tokens(acceptances, max_ks, cap)
         positions = _step_positions(acceptances, max_ks, cap, self._padded)
         rates = [r or 0.0 for r in self._rates(tokens, max_ks, batch_size, cap, positions=positions)]
@@ -570,7 +571,7 @@ class CostModelPolicy(GammaPolicy):
             # what it missed (a prompt's worth in a new row), a price no pass that might prove cheap repays.
             # Switching on makes them catch up too: a small predicted gain would not repay that (and would
             # flap on noise).
-            return 0 if best < (1 + self.switch_on_margin) * rates[0] else rates.index(best)
+            return (0 if best < (1 + self.switch_on_margin) * rates[0] else rates.index(best)), rates
         # Explore a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago) if
         # it would clearly win were that pass no dearer than a shorter one measured lately: a line through short
         # passes misjudges long ones both ways, and a measurement never repeated can lock in a pause. Each such
@@ -579,13 +580,13 @@ class CostModelPolicy(GammaPolicy):
         explore = max(range(cap + 1), key=lambda k: hopeful[k])
         longest = math.ceil(positions[explore])  # the longer pass a step asking that many scores
         if not self.costs.is_fresh(longest, batch_size) and hopeful[explore] > (1 + self.switch_on_margin) * best:
-            return explore
+            return explore, rates
         # No drafting where it is within 1% of the best: measured costs are noisy, and drafting that buys
         # nothing should not win a tie. Among drafting lengths the best predicted, with no margin (one drafts
         # too short: docs/policies.md). An extrapolated scoring cost is measured by running it.
         if rates[0] >= 0.99 * best:
-            return 0
-        return max(range(1, len(rates)), key=lambda k: rates[k])
+            return 0, rates
+        return max(range(1, len(rates)), key=lambda k: rates[k]), rates
 
     def _rates(self, tokens: list[float], max_ks: list[int], batch_size: int, cap: int,
                stale_after: int | None = None, positions: list[float] | None = None) -> list[float | None]:
@@ -687,7 +688,7 @@ class CostModelPolicy(GammaPolicy):
 
     def _choose_batch(self, seqs, max_ks):
         acceptances = [self._acceptance(s) for s in seqs]
-        k = self._best(acceptances, list(max_ks), len(seqs), self._batch_k == 0)
+        k, rates = self._best(acceptances, list(max_ks), len(seqs), self._batch_k == 0)
         tree = bool(seqs[0].scratch.get("max_node_budget"))
         if k < 0:  # measuring
             self._batch_k = MEASURE_K
@@ -708,27 +709,24 @@ class CostModelPolicy(GammaPolicy):
         elif tree:
             ks = [min(k, m) for m in max_ks]
         else:
-            ks = self._trimmed(acceptances, [min(k, m) for m in max_ks], max_ks, len(seqs))
+            ks = self._trimmed(acceptances, [min(k, m) for m in max_ks], rates, len(seqs))
         return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
 
-    def _trimmed(self, acceptances: list[Acceptance], ks: list[int], max_ks: list[int], batch_size: int) -> list[int]:
+    def _trimmed(self, acceptances: list[Acceptance], ks: list[int], rates: list[float] | None,
+                 batch_size: int) -> list[int]:
         """Each row's k after dropping its deepest drafts where the tokens they are expected to add fall below
         what the positions they add cost at the step's rate, in tokens per second (ragged rows score each
         row's own draft); a row keeps one token at least, so every row's rates are measured at each drafting
-        step (rows left at 0 came back late: docs/policies.md)."""
+        step (rows left at 0 came back late: docs/policies.md). ``rates``: the step's tokens per second by k,
+        as :meth:`_best` priced them."""
         k = max(ks)
         longest, plain = self.costs.verify_time(k + 1, batch_size), self.costs.verify_time(1, batch_size)
-        if k < 2 or self._padded or longest is None or plain is None or not self.costs.is_fresh(k + 1, batch_size):
+        if (k < 2 or self._padded or not rates or not rates[k] or longest is None or plain is None
+                or not self.costs.is_fresh(k + 1, batch_size)):
             # padded rows score every row over the longest draft: a shorter one saves nothing; a longest pass
             # not measured lately is measured by this step (a step exploring it, or a stale estimate)
             return ks
-        per_position = max(longest - plain, 0.0) / (k * batch_size)
-        cap = min(self.max_gamma, max(max_ks))
-        tokens = _step_tokens(acceptances, max_ks, cap)
-        positions = _step_positions(acceptances, max_ks, cap)
-        rate = self._rates(tokens, max_ks, batch_size, cap, positions=positions)[k]
-        if not rate:
-            return ks
+        rate, per_position = rates[k], max(longest - plain, 0.0) / (k * batch_size)
         trimmed = []
         for acceptance, row_k in zip(acceptances, ks):
             tokens_at, reach = acceptance.expected_upto(row_k), acceptance.reach_upto(row_k)
