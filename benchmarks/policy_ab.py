@@ -1,13 +1,17 @@
 """The cost-model policy against static γ at one batch size, alternating in one process: is a gap real or noise?
 
     python benchmarks/policy_ab.py [--batch-size 4] [--proposer draft-model] [--gammas 6,8] [--repeats 6]
-                                   [--tokens 64] [--without-reach-relaxation]
+                                   [--tokens 64] [--without-reach-relaxation] [--policy old.py:CostModelPolicy]
+                                   [--save-steps steps.json]
 
 The load bench runs each cell once per repeat minutes apart, so a slow spell of the shared machine can sit in
 one cell's runs; here every repeat runs each static γ, a fresh policy and one kept across repeats back to back
 (order rotated per repeat) on the same 16 HumanEval requests × 64 tokens, greedy; with
 ``--without-reach-relaxation`` also a fresh policy whose unasked depths keep their reach (REACH_RELAX = 1, the
-rule before the relaxation). Prints each variant's median
+rule before the relaxation); with ``--policy`` a fresh one of each class given (e.g. ``git show
+HEAD:specplug/policies.py`` saved with its relative imports made absolute: the rule before a change). With
+``--save-steps`` it writes every run's steps, the cost table benchmarks/policy_replay.py prices runs by. Prints
+each variant's median
 goodput (tokens/s) and the median over repeats of its goodput over the best static γ's in that repeat, the best
 being the static γ with the highest median (a per-repeat maximum over several γ would be biased up by the noise).
 
@@ -23,7 +27,10 @@ this takes most of the noise out while keeping every cost a policy's choices cau
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -47,6 +54,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     ap.add_argument("--without-reach-relaxation", action="store_true", help="also the policy without it")
+    ap.add_argument("--policy", action="append", default=[], metavar="PATH.py:CLASS",
+                    help="a variant of the policy (e.g. a scratch copy of policies.py before a change) run fresh "
+                         "beside it, built with max_gamma=--max-gamma")
+    ap.add_argument("--save-steps", metavar="FILE", help="write every run's steps (costs, rows) as JSON, e.g. for "
+                                                          "benchmarks/policy_replay.py's cost table")
     args = ap.parse_args()
     target = specplug.Target.from_pretrained(args.target)
     prompts = humaneval_prompts(args.requests)
@@ -56,15 +68,22 @@ def main() -> None:
     variants.update({"cost-model fresh": None, "cost-model kept": kept})
     if args.without_reach_relaxation:
         variants["no reach relaxation"] = "no-relax"
+    variants.update({f"{spec.rpartition('/')[2]} fresh": load_policy(spec) for spec in args.policy})
     relax = policies.REACH_RELAX
 
     runs: list[tuple[str, float, int, int, int]] = []  # (variant, seconds, tokens, steps, drafted tokens)
     passes: list[list[tuple[int, int, float]]] = []  # per run, its steps' (rows, positions scored, seconds)
+    saved: list[dict] = []  # per run, what --save-steps writes
 
     def run(name: str) -> float:
         gamma = variants[name]
         proposer = specplug.get_proposer(args.proposer, target=target)
-        policy = CostModelPolicy(max_gamma=args.max_gamma) if gamma in (None, "no-relax") else gamma
+        if gamma in (None, "no-relax"):
+            policy = CostModelPolicy(max_gamma=args.max_gamma)
+        elif isinstance(gamma, type):
+            policy = gamma(max_gamma=args.max_gamma)
+        else:
+            policy = gamma
         policy = StepRecorder(as_policy(policy))
         policies.REACH_RELAX = 1.0 if gamma == "no-relax" else relax  # read at each count
         start = time.perf_counter()
@@ -74,11 +93,12 @@ def main() -> None:
         runs.append((name, seconds, tokens, sum(r.stats.target_calls for r in results),
                      sum(r.stats.draft_tokens for r in results)))
         passes.append(policy.passes)
+        saved.append({"variant": name, "seconds": seconds, "tokens": tokens, "steps": policy.steps})
         return tokens / seconds
 
     for name in variants:  # warm-up: every shape once, and the kept policy's first run
         run(name)
-    del runs[:], passes[:]
+    del runs[:], passes[:], saved[:]
     names = list(variants)
     goodput: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(args.repeats):
@@ -94,14 +114,30 @@ def main() -> None:
     if args.batch_size == 1:
         print_priced_by_one_line(runs, static)
     print_priced_by_pass_table(runs, passes, static)
+    if args.save_steps:
+        with open(args.save_steps, "w") as f:
+            json.dump({"target": args.target, "proposer": args.proposer, "batch_size": args.batch_size,
+                       "requests": args.requests, "tokens": args.tokens, "runs": saved}, f)
+
+
+def load_policy(spec: str) -> type:
+    """``path.py:Name`` -> that class, from a file outside the package (a scratch variant of a policy, run or
+    replayed beside the landed one)."""
+    path, _, attr = spec.rpartition(":")
+    name = f"variant_{abs(hash(path))}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = sys.modules[name] = importlib.util.module_from_spec(module_spec)  # dataclasses look it up
+    module_spec.loader.exec_module(module)
+    return getattr(module, attr)
 
 
 class StepRecorder:
     """``policy`` as it is (choices, updates, ``choose_batch`` where it has one), recording what each step's
-    target pass scored and cost: ``passes``, (rows, positions, seconds) per step."""
+    target pass scored and cost: ``passes``, (rows, positions, seconds) per step; and in a batch each step's
+    whole :class:`~specplug.types.BatchStep` (``steps``)."""
 
     def __init__(self, policy):
-        self.policy, self.passes, self._last = policy, [], None
+        self.policy, self.passes, self.steps, self._last = policy, [], [], None
 
     def __getattr__(self, name):
         return getattr(self.policy, name)
@@ -113,6 +149,7 @@ class StepRecorder:
         elif step is not self._last:  # a batch: every row reports the same step
             self._last = step
             self.passes.append((step["batch_size"], step["tokens"], step["verify_time"]))
+            self.steps.append(dict(step))
         update = getattr(self.policy, "update", None)
         if update is not None:
             update(seq, proposed, accepted, draft_time, verify_time, batch_size)
