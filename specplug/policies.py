@@ -94,16 +94,17 @@ class _Line:
         self.t, self.nt = decay * self.t + seconds, decay * self.nt + passes * seconds
 
     def solve(self) -> tuple[float, float] | None:
-        """(fixed, per_pass) by least squares, or None until the passes drafted vary enough to tell the parts
-        apart, and wherever the fit is not a plausible cost (a negative part)."""
+        """(fixed, per_pass) by least squares with neither part negative, or None until the passes drafted vary
+        enough to tell the parts apart. A drafter whose passes cost next to nothing (``ngram``: a lookup per
+        row) fits a slope at or below 0 on noise: that is a flat cost, not one proportional to the passes."""
         mean_n, mean_t = self.n / self.w, self.t / self.w
         spread = self.nn / self.w - mean_n * mean_n
-        if spread >= 0.25:
-            per = (self.nt / self.w - mean_n * mean_t) / spread
-            fixed = mean_t - per * mean_n
-            if per > 0 and fixed >= 0:
-                return fixed, per
-        return None
+        if spread < 0.25:
+            return None
+        # for any slope the best fixed part puts the line through the mean, and the squares are convex in
+        # the slope: the best slope with both parts >= 0 is the free one clamped to [0, mean_t / mean_n]
+        per = min(max((self.nt / self.w - mean_n * mean_t) / spread, 0.0), mean_t / mean_n)
+        return mean_t - per * mean_n, per
 
     def fit(self, shape: tuple[float, float] | None = None) -> tuple[float, float]:
         """(fixed, per_pass): solved where it can be; else the fixed share ``shape`` (another line's
@@ -386,8 +387,8 @@ def _step_tokens(acceptances: list["Acceptance | float"], max_ks: list[int], cap
     tokens = [0.0] * (cap + 1)
     for acceptance, m in zip(acceptances, max_ks):
         row = Acceptance.of(acceptance).expected_upto(min(cap, m))
-        for k in range(cap + 1):
-            tokens[k] += row[min(k, m)]
+        row += [row[-1]] * (cap + 1 - len(row))  # asked beyond its max_k, a row drafts its max_k
+        tokens = [t + r for t, r in zip(tokens, row)]
     return tokens
 
 
@@ -468,15 +469,16 @@ class CostModelPolicy(GammaPolicy):
     catches up on what it missed); each probe that changes nothing doubles the wait (up to 16×). A probe whose
     proposer drafted nothing (``ngram`` without a match) tested nothing: the next step probes again, in a
     batch in another row, at no cost beyond a plain step. In a batch a probe drafts in one row, or, where
-    every row's drafter catching up was measured to cost no more than a plain step, MEASURE_K tokens in every
-    row (:meth:`_measure_from_off`). Where the
+    every row's drafter catching up was measured to cost no more than a plain step, in every row
+    (:meth:`_measure_from_off`) the length that would pay best on hope (:meth:`_probe_k`). Where the
     scoring cost alone rules drafting out even if every draft were accepted, it neither measures drafting
     nor probes: no α could change the choice (where a probe would measure every row, passes not measured
     lately count at their cheapest plausible cost: such a probe measures them again).
 
     In a batch (``choose_batch``) it picks one k for the step, maximising the tokens all rows emit per second
     of the step, since every row waits for the longest draft and all drafting; over ragged rows a row whose
-    deeper drafts would not repay the positions they add then drafts fewer, one at least (:meth:`_trimmed`).
+    deeper drafts would not repay the positions they add drafts fewer, one at least (:meth:`_trimmed`), and
+    each k is priced with its rows so trimmed.
     ``costs`` may be replaced (tests use a controlled one).
     """
 
@@ -502,6 +504,9 @@ class CostModelPolicy(GammaPolicy):
         self._empty_row = None  # the row whose probe drafted nothing (the next probe tries another)
         self._padded = False  # the last batch step scored every row over its longest draft (HF's padded rows)
         self._catch_up: float | None = None  # drafting seconds per row with a backlog, in the last step with any
+        self._probe_all = False  # the last batch choice was a probe drafting in every row
+        self._probe_step: dict | None = None  # that probe's step, until the next choice weighs it
+        self._probe_accepted = 0  # drafts that probe's rows had accepted
         self.budgets = NodeBudgets()  # tree-drafting proposers: the node budget (node_budgets)
 
     def _state(self, seq) -> dict:
@@ -547,9 +552,10 @@ class CostModelPolicy(GammaPolicy):
         return min(MEASURE_K, max_k) if k < 0 else k
 
     def _best(self, acceptances: list[Acceptance | float], max_ks: list[int], batch_size: int,
-              off: bool = False) -> tuple[int, list[float] | None]:
+              off: bool = False, trim: bool = False) -> tuple[int, list[int] | None]:
         """The k (capped per row by max_ks) maximising the rows' expected tokens per second of one step (-1:
-        measure), and those rates for k = 0..cap where it priced them (else None)."""
+        measure), and each row's k for it where it priced the step (else None); with ``trim`` each step is
+        priced with its rows trimmed (:meth:`_trimmed`), as it would be drafted."""
         cap = min(self.max_gamma, max(max_ks))
         if cap <= 0:
             return 0, None
@@ -565,13 +571,31 @@ class CostModelPolicy(GammaPolicy):
         tokens = _step_tokens(acceptances, max_ks, cap)
         positions = _step_positions(acceptances, max_ks, cap, self._padded)
         rates = [r or 0.0 for r in self._rates(tokens, max_ks, batch_size, cap, positions=positions)]
+        ks = [[min(k, m) for m in max_ks] for k in range(cap + 1)]
+        if trim:
+            # a step's rows trimmed at its untrimmed rate, then the step priced as trimmed: one k for the
+            # step where only the rows that repay it draft deep (ragged rows)
+            rows = [(a.expected_upto(cap), a.reach_upto(cap)) for a in map(Acceptance.of, acceptances)]
+            for k in range(2, cap + 1):
+                depths = self._trimmed(rows, ks[k], rates[k], batch_size)
+                if depths != ks[k]:
+                    ks[k], tokens[k] = depths, sum(at[d] for (at, _), d in zip(rows, depths))
+                    positions[k] = 1.0 + sum(sum(reach[:d]) for (_, reach), d in zip(rows, depths)) / len(rows)
+            rates = [r or 0.0 for r in self._rates(tokens, max_ks, batch_size, cap, positions=positions)]
+        k = self._chosen(rates, tokens, positions, max_ks, batch_size, cap, off)
+        return k, ks[k]
+
+    def _chosen(self, rates: list[float], tokens: list[float], positions: list[float], max_ks: list[int],
+                batch_size: int, cap: int, off: bool) -> int:
+        """The k among 0..cap a step drafts given its priced ``rates`` (see :meth:`_best`): switching on only for
+        a clear gain, exploring a pass not measured lately where it could win clearly, no drafting on a tie."""
         best = max(rates)
         if off:
             # With speculation off only probes spend steps: exploring would make every row's drafter catch up on
             # what it missed (a prompt's worth in a new row), a price no pass that might prove cheap repays.
             # Switching on makes them catch up too: a small predicted gain would not repay that (and would
             # flap on noise).
-            return (0 if best < (1 + self.switch_on_margin) * rates[0] else rates.index(best)), rates
+            return 0 if best < (1 + self.switch_on_margin) * rates[0] else rates.index(best)
         # Explore a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago) if
         # it would clearly win were that pass no dearer than a shorter one measured lately: a line through short
         # passes misjudges long ones both ways, and a measurement never repeated can lock in a pause. Each such
@@ -580,13 +604,13 @@ class CostModelPolicy(GammaPolicy):
         explore = max(range(cap + 1), key=lambda k: hopeful[k])
         longest = math.ceil(positions[explore])  # the longer pass a step asking that many scores
         if not self.costs.is_fresh(longest, batch_size) and hopeful[explore] > (1 + self.switch_on_margin) * best:
-            return explore, rates
+            return explore
         # No drafting where it is within 1% of the best: measured costs are noisy, and drafting that buys
         # nothing should not win a tie. Among drafting lengths the best predicted, with no margin (one drafts
         # too short: docs/policies.md). An extrapolated scoring cost is measured by running it.
         if rates[0] >= 0.99 * best:
-            return 0, rates
-        return max(range(1, len(rates)), key=lambda k: rates[k]), rates
+            return 0
+        return max(range(1, len(rates)), key=lambda k: rates[k])
 
     def _rates(self, tokens: list[float], max_ks: list[int], batch_size: int, cap: int,
                stale_after: int | None = None, positions: list[float] | None = None) -> list[float | None]:
@@ -687,9 +711,10 @@ class CostModelPolicy(GammaPolicy):
         return ks
 
     def _choose_batch(self, seqs, max_ks):
+        self._weigh_probe()
         acceptances = [self._acceptance(s) for s in seqs]
-        k, rates = self._best(acceptances, list(max_ks), len(seqs), self._batch_k == 0)
         tree = bool(seqs[0].scratch.get("max_node_budget"))
+        k, trimmed = self._best(acceptances, list(max_ks), len(seqs), self._batch_k == 0, trim=not tree)
         if k < 0:  # measuring
             self._batch_k = MEASURE_K
             ks = [min(MEASURE_K, m) for m in max_ks]
@@ -702,44 +727,69 @@ class CostModelPolicy(GammaPolicy):
         k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, can_probe)
         self._probing = idle and k > 0
         self._batch_k = 0 if self._probing else k
-        if self._probing and measuring:
-            ks = [min(MEASURE_K, m) for m in max_ks]
+        self._probe_all = self._probing and measuring
+        if self._probe_all:
+            k = self._probe_k(acceptances, list(max_ks), len(seqs))
+            ks = [min(k, m) for m in max_ks]
         elif self._probing:
             ks = self._one_row(seqs, [a.first for a in acceptances], max_ks)
-        elif tree:
-            ks = [min(k, m) for m in max_ks]
         else:
-            ks = self._trimmed(acceptances, [min(k, m) for m in max_ks], rates, len(seqs))
+            ks = trimmed if trimmed is not None else [min(k, m) for m in max_ks]
         return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
 
-    def _trimmed(self, acceptances: list[Acceptance], ks: list[int], rates: list[float] | None,
+    def _trimmed(self, rows: list[tuple[list[float], list[float]]], ks: list[int], rate: float,
                  batch_size: int) -> list[int]:
         """Each row's k after dropping its deepest drafts where the tokens they are expected to add fall below
-        what the positions they add cost at the step's rate, in tokens per second (ragged rows score each
+        what the positions they add cost at the step's ``rate``, in tokens per second (ragged rows score each
         row's own draft); a row keeps one token at least, so every row's rates are measured at each drafting
-        step (rows left at 0 came back late: docs/policies.md). ``rates``: the step's tokens per second by k,
-        as :meth:`_best` priced them."""
-        k = max(ks)
+        step (rows left at 0 came back late: docs/policies.md). ``rows``: each row's expected tokens by k asked
+        and reach by depth (:meth:`Acceptance.expected_upto`, :meth:`Acceptance.reach_upto`), up to its k
+        at least."""
+        k = max(ks, default=0)
         longest, plain = self.costs.verify_time(k + 1, batch_size), self.costs.verify_time(1, batch_size)
-        if (k < 2 or self._padded or not rates or not rates[k] or longest is None or plain is None
+        if (k < 2 or self._padded or not rate or longest is None or plain is None
                 or not self.costs.is_fresh(k + 1, batch_size)):
             # padded rows score every row over the longest draft: a shorter one saves nothing; a longest pass
             # not measured lately is measured by this step (a step exploring it, or a stale estimate)
             return ks
-        rate, per_position = rates[k], max(longest - plain, 0.0) / (k * batch_size)
+        per_position = max(longest - plain, 0.0) / (k * batch_size)
         trimmed = []
-        for acceptance, row_k in zip(acceptances, ks):
-            tokens_at, reach = acceptance.expected_upto(row_k), acceptance.reach_upto(row_k)
+        threshold = rate * per_position
+        for (tokens_at, reach), row_k in zip(rows, ks):
             depth = min(row_k, 1)
             # the d + 1-th draft adds tokens_at[d + 1] - tokens_at[d] and, where drafted, one position
-            while depth < row_k and tokens_at[depth + 1] - tokens_at[depth] >= rate * per_position * reach[depth]:
+            while depth < row_k and tokens_at[depth + 1] - tokens_at[depth] >= threshold * reach[depth]:
                 depth += 1
             trimmed.append(depth)
         return trimmed
 
+    def _weigh_probe(self) -> None:
+        """After a probe in every row: one that paid for itself (its rows' tokens per second of its step no fewer
+        than a plain step's) is repeated after ``probe_every`` steps, undoing the doubled wait. Acceptance
+        that rises along a request (``ngram``: 0.2 over its first 16 tokens, ~0.8 from the 48th) is then
+        caught within a few probes; where probes lose, the wait doubles as before, bounding what they cost."""
+        step, self._probe_step = self._probe_step, None
+        if step is None:
+            return
+        rows = step["batch_size"]
+        plain = self.costs.verify_time(1, rows)
+        if plain and (rows + self._probe_accepted) * plain >= rows * (step["draft_time"] + step["verify_time"]):
+            self._batch_wait = self.probe_every
+
+    def _probe_k(self, acceptances: list[Acceptance], max_ks: list[int], batch_size: int) -> int:
+        """The k a probe drafting in every row asks: the drafting length that would pay best were passes not
+        measured lately no dearer than a shorter one that was (at most twice its length), MEASURE_K at least.
+        Such a probe measures the pass a switch back on would use, not only the short one measured at the
+        start, on whose line a longer pass is often priced too high to ever switch on."""
+        cap = min(self.max_gamma, max(max_ks))
+        tokens = _step_tokens(acceptances, max_ks, cap)
+        positions = _step_positions(acceptances, max_ks, cap, self._padded)
+        hopeful = [r or 0.0 for r in self._rates(tokens, max_ks, batch_size, cap, REMEASURE_AFTER, positions)]
+        return max(MEASURE_K, max(range(1, cap + 1), key=lambda k: hopeful[k]))
+
     def _measure_from_off(self, batch_size: int) -> bool:
-        """Whether a probe drafts MEASURE_K tokens in every row instead of one token in one row: where all rows'
-        drafters catching up was measured to cost no more than a plain step (``ngram``, ``suffix``). Such a
+        """Whether a probe drafts in every row (:meth:`_probe_k` tokens) instead of one token in one row: where all
+        rows' drafters catching up was measured to cost no more than a plain step (``ngram``, ``suffix``). Such a
         probe measures a drafted pass and every row's rates; over ragged rows a one-row probe scores a plain
         pass and one row, so a drafted pass measured dear on a slow spell, or a few early rejections in the
         other rows, kept speculation off for good. Where catching up is dear (a model drafter, under load)
@@ -781,6 +831,10 @@ class CostModelPolicy(GammaPolicy):
                 if self._probing and step["drafted"] == 0:  # probe again next step, in another row
                     self._batch_wait = max(self.probe_every, self._batch_wait // 2)
                     self._batch_idle, self._empty_row, self._probe_row = self._batch_wait, self._probe_row, None
+                elif self._probe_all:
+                    self._probe_step, self._probe_accepted = step, 0
+            if step is self._probe_step:
+                self._probe_accepted += accepted
         else:
             self.costs.observe(proposed, draft_time, verify_time, batch_size, None,
                                state.get("drafted", 0) > 0 and shape is None)

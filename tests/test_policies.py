@@ -250,10 +250,10 @@ class RaggedCosts(BatchCosts):
         return True
 
 
-def rows_one_accepting_all_three_rejecting(target, padded=False):
+def rows_one_accepting_all_three_rejecting(target, padded=False, slope=0.0005):
     """A batch policy over 4 rows: row 0's drafts all accepted, the other rows' first draft nearly always
-    rejected; scoring 10 ms + 0.5 ms a position over all rows (ragged) or over the longest draft (padded)."""
-    policy = CostModelPolicy(max_gamma=8, costs=RaggedCosts(0.0005), probe_every=1000)
+    rejected; scoring 10 ms + ``slope`` a position over all rows (ragged) or over the longest draft (padded)."""
+    policy = CostModelPolicy(max_gamma=8, costs=RaggedCosts(slope), probe_every=1000)
     policy._padded = padded
     seqs = [seq_state(target) for _ in range(4)]
     for j, seq in enumerate(seqs):
@@ -269,6 +269,15 @@ def test_in_a_batch_a_row_whose_deeper_drafts_would_not_repay_their_positions_dr
     policy, seqs = rows_one_accepting_all_three_rejecting(tiny_target)
     ks = policy.choose_batch(seqs, [8] * 4)
     assert ks[0] >= 4 and ks[1:] == [1, 1, 1]
+
+
+def test_a_batch_step_is_priced_as_its_rows_will_draft_it_so_one_row_that_repays_drafting_switches_it_on(
+        tiny_target):
+    # 1 ms a position: with every row drafting the step's k, the three rejecting rows' positions cost more
+    # than row 0's accepted drafts bring (it chose no drafting); trimmed to one token each, as they will be
+    # drafted, they cost little and row 0's drafts pay: priced that way, the step drafts
+    policy, seqs = rows_one_accepting_all_three_rejecting(tiny_target, slope=0.001)
+    assert policy.choose_batch(seqs, [8] * 4) == [8, 1, 1, 1]
 
 
 def test_padded_rows_all_draft_the_steps_k_since_every_row_is_scored_over_the_longest_draft(tiny_target):
@@ -337,10 +346,15 @@ def test_drafting_cost_separates_a_fixed_part_per_step_from_the_cost_per_token()
         costs.observe(k, truth(k), 0.004, 1)
     assert costs.draft_time(8) == pytest.approx(truth(8), rel=0.01)
     assert costs.draft_time(1) == pytest.approx(truth(1), rel=0.01)
+
+
+def test_a_drafting_cost_that_does_not_grow_with_k_is_priced_flat_not_per_token():
+    # ngram drafts by a lookup per row: ~1 ms a step whatever k, so noise fits a slope at or below 0; priced
+    # proportionally from its mean instead, 8 tokens cost ~2.7 times what they do and long drafts lost
     noisy = MeasuredCosts()
-    for k, seconds in [(2, 0.0010), (4, 0.0009), (3, 0.0011)]:  # falls with k: noise, not a cost
+    for k, seconds in [(2, 0.0010), (4, 0.0009), (3, 0.0011)]:
         noisy.observe(k, seconds, 0.004, 1)
-    assert noisy.draft_fixed[1] == 0 and noisy.draft_time(6) == pytest.approx(6 * 0.003 / 9, rel=0.05)
+    assert noisy.draft_pass[1] == 0 and noisy.draft_time(8) == pytest.approx(0.001, rel=0.01)
 
 
 def test_a_scoring_pass_that_caught_a_pause_moves_the_estimate_by_at_most_twice_the_expected_cost():
@@ -776,3 +790,64 @@ def test_where_catching_up_is_dear_a_probe_drafts_in_one_row_only():
     chosen = ngram_like_batch(policy, seqs, 100, catch_up=0.020)
     assert any(max(ks) for ks in chosen)
     assert all(sum(1 for k in ks if k) <= 1 and max(ks) <= 1 for ks in chosen)
+
+
+def test_a_probe_in_every_row_drafts_the_length_that_would_pay_best_were_longer_passes_no_dearer():
+    # ngram at B = 4: measured only at MEASURE_K (the pass of 3 positions, drafting at k = 2), and off after
+    # a request's poor start. A probe of MEASURE_K again would measure the same short pass, on whose line
+    # longer drafts look too dear to ever switch on; this one asks the length that would pay best were a pass
+    # up to twice the longest measured no dearer than it
+    policy = CostModelPolicy(max_gamma=8, probe_every=4)
+    seqs = [seq_state(None) for _ in range(4)]
+    for backlog in (4, 0):  # the two measuring steps: every row's drafter catching up (cheaply), then clean
+        step = {"drafted": 8, "draft_time": 0.0002 + 0.0003 * backlog, "verify_time": 0.0215, "batch_size": 4,
+                "scored": 3, "tokens": 12, "draft_rows": 4, "backlog_rows": backlog}
+        for seq in seqs:
+            if backlog:
+                policy.begin(seq)
+            seq.scratch["batch_step"] = step
+            policy.update(seq, 2, 2, 0.0, 0.0, 4)
+    for i in range(40):  # first drafts accepted 0.3 of the time, later ones always
+        for seq in seqs:
+            policy.update(seq, 2, 2 if i * 7 % 10 < 3 else 0, 0.0, 0.0)
+    for _ in range(3):
+        policy.costs.observe(0, 0.0, 0.0135, 4, scored=1, tokens=4)
+    policy._batch_idle, policy._batch_k = 0, 0  # off
+    chosen = [policy.choose_batch(seqs, [8] * 4) for _ in range(4)]
+    assert chosen[:3] == [[0] * 4] * 3
+    assert len(set(chosen[3])) == 1 and chosen[3][0] > MEASURE_K
+
+
+def next_probes(accepted_in_drafting_steps, steps=16):
+    """A batch of 4 like ``ngram`` at B = 4 (scoring 13.5 ms + 4 ms a drafted position per row, drafting and
+    catching up cheap), probing every 4 steps, whose measuring steps saw no draft accepted; from then on each
+    row accepts its share of ``accepted_in_drafting_steps``. The steps that drafted."""
+    policy = CostModelPolicy(max_gamma=8, probe_every=4)
+    seqs = [seq_state(None) for _ in range(4)]
+    for seq in seqs:
+        policy.begin(seq)
+    drafted_before, drafting_steps = [False] * 4, []
+    for i in range(steps):
+        ks = policy.choose_batch(seqs, [8] * 4)
+        backlog = sum(1 for j, k in enumerate(ks) if k and not drafted_before[j])
+        step = {"drafted": sum(ks), "draft_time": (0.0002 + 0.0003 * backlog) * bool(max(ks)),
+                "verify_time": 0.0135 + 0.004 * max(ks), "batch_size": 4, "scored": max(ks) + 1,
+                "tokens": sum(k + 1 for k in ks), "draft_rows": sum(1 for k in ks if k), "backlog_rows": backlog}
+        accepted = accepted_in_drafting_steps if i >= 3 else [0] * 4
+        for j, (seq, k) in enumerate(zip(seqs, ks)):
+            seq.scratch["batch_step"] = step
+            policy.update(seq, k, min(k, accepted[j]), 0.0, 0.0, 4)
+            drafted_before[j] = k > 0
+        if max(ks):
+            drafting_steps.append(i)
+    return drafting_steps
+
+
+def test_a_probe_in_every_row_that_paid_for_itself_is_repeated_without_doubling_the_wait():
+    # a probe whose rows' tokens per second beat a plain step's (3 drafts of 8 accepted: 7 tokens in 21.7 ms
+    # against 4 in 13.5) comes back after probe_every steps: acceptance rising along a request is caught
+    # early; one that lost (1 of 8) doubles the wait, which bounds what probes cost where drafting never pays
+    paid, lost = next_probes([2, 1, 0, 0]), next_probes([1, 0, 0, 0])
+    first = lost[2]  # after the two measuring steps, speculation off: the first probe
+    assert paid[2] == first and paid[3] == first + 4
+    assert lost[3] == first + 8
