@@ -365,12 +365,7 @@ class Acceptance:
 
     def expected_upto(self, cap: int) -> list[float]:
         """Tokens a step asking for k drafts emits on average (the target's own token included), k = 0..cap."""
-        out, reached, survive = [1.0], 0.0, 1.0
-        for d in range(cap):
-            reached += (self.reach[d] if d < len(self.reach) else 1.0) * survive
-            survive *= self.then
-            out.append(1.0 + self.first * reached)
-        return out
+        return list(_expected_upto(self.first, self.then, self.reach, cap))
 
     def expected(self, k: int) -> float:
         """Tokens a step asking for k drafts emits on average."""
@@ -378,7 +373,24 @@ class Acceptance:
 
     def reach_upto(self, cap: int) -> list[float]:
         """How often a step asking for ``cap`` or more drafts d + 1 tokens or more, d = 0..cap - 1."""
-        return [self.reach[d] if d < len(self.reach) else 1.0 for d in range(cap)]
+        return list(_reach_upto(self.reach, cap))
+
+
+# Cached: a batch prices every row's acceptance several times a step, and a row's rates stay put while it
+# drafts nothing (speculation off), so most calls repeat one (first, then, reach, cap).
+@functools.lru_cache(maxsize=4096)
+def _expected_upto(first: float, then: float, reach: tuple[float, ...], cap: int) -> tuple[float, ...]:
+    out, reached, survive = [1.0], 0.0, 1.0
+    for d in range(cap):
+        reached += (reach[d] if d < len(reach) else 1.0) * survive
+        survive *= then
+        out.append(1.0 + first * reached)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _reach_upto(reach: tuple[float, ...], cap: int) -> tuple[float, ...]:
+    return tuple(reach[d] if d < len(reach) else 1.0 for d in range(cap))
 
 
 def _step_tokens(acceptances: list["Acceptance | float"], max_ks: list[int], cap: int) -> list[float]:

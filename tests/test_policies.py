@@ -851,3 +851,14 @@ def test_a_probe_in_every_row_that_paid_for_itself_is_repeated_without_doubling_
     first = lost[2]  # after the two measuring steps, speculation off: the first probe
     assert paid[2] == first and paid[3] == first + 4
     assert lost[3] == first + 8
+
+
+def test_what_an_acceptance_returns_is_the_callers_to_change():
+    # the expected tokens and reach are cached per (first, then, reach, cap): a caller extending or changing
+    # the list it got must not change what the next caller gets
+    acceptance = Acceptance(0.7, 0.9, (1.0, 0.5))
+    expected, reach = acceptance.expected_upto(4), acceptance.reach_upto(4)
+    expected += [0.0]
+    reach[0] = 0.0
+    assert acceptance.expected_upto(4) == expected[:5] and len(acceptance.expected_upto(4)) == 5
+    assert acceptance.reach_upto(4) == [1.0, 0.5, 1.0, 1.0]
