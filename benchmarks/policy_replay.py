@@ -173,8 +173,8 @@ def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens:
             ks = [max(0, min(int(k), m)) for k, m in zip(policy.choose_batch([r.seq for r in live], k_maxes), k_maxes)]
         else:
             ks = [m and max(0, min(int(policy.choose(r.seq, m)), m)) for r, m in zip(live, k_maxes)]
-        drafted = [row.trace[row.done][k - 1][0] if k else 0 for k, row in zip(ks, live)]
-        accepted = [row.trace[row.done][k - 1][1] if k else 0 for k, row in zip(ks, live)]
+        # (drafted, accepted) per row: what the proposer drafted asked for k there, and how much of it matched
+        drafted, accepted = zip(*(row.trace[row.done][k - 1] if k else (0, 0) for k, row in zip(ks, live)))
         backlog = sum(1 for k, row in zip(ks, live) if k > 0 and not row.drafted_last)
         draft_time, pass_time = table.step(B, drafted, backlog)
         clock += draft_time + pass_time + table.per_row_step * B

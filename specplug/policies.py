@@ -591,6 +591,8 @@ class CostModelPolicy(GammaPolicy):
             for k in range(2, cap + 1):
                 depths = self._trimmed(rows, ks[k], rates[k], batch_size)
                 if depths != ks[k]:
+                    # _step_tokens / _step_positions (ragged) at these depths, from the rows in hand: calling
+                    # them per k cost ~15% more choosing time for the same numbers
                     ks[k], tokens[k] = depths, sum(at[d] for (at, _), d in zip(rows, depths))
                     positions[k] = 1.0 + sum(sum(reach[:d]) for (_, reach), d in zip(rows, depths)) / len(rows)
             rates = [r or 0.0 for r in self._rates(tokens, max_ks, batch_size, cap, positions=positions)]
