@@ -325,6 +325,19 @@ class MeasuredCosts:
                 return shorter[-1][1]
         return self.verify_time(n, batch_size)
 
+    @_memoised
+    def verify_curve(self, upto: int, batch_size: int, stale_after: int | None = None) -> tuple[float | None, ...]:
+        """:meth:`verify_time` at this batch size for n = 0..upto, index n (0: None); with ``stale_after``,
+        :meth:`hopeful_verify_time`. One choice prices every k from such a curve."""
+        if stale_after is None:
+            return (None, *(self.verify_time(n, batch_size) for n in range(1, upto + 1)))
+        return (None, *(self.hopeful_verify_time(n, batch_size, stale_after) for n in range(1, upto + 1)))
+
+    @_memoised
+    def draft_curve(self, upto: int, rows: int) -> tuple[float | None, ...]:
+        """:meth:`draft_time` for ``rows`` rows drafting k = 0..upto each, index k."""
+        return tuple(self.draft_time(k, rows) for k in range(upto + 1))
+
 
 def _non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """Points sorted by x, each y lowered to the smallest y at or beyond its x (a cost that cannot fall as
@@ -419,14 +432,14 @@ def _step_positions(acceptances: list["Acceptance | float"], max_ks: list[int], 
     return [1.0 + sum(at_depth[:k]) for k in range(cap + 1)]
 
 
-def _between_passes(scoring, positions: float, batch_size: int) -> float | None:
-    """``scoring``'s cost at a mean of ``positions`` per row, between the whole passes around it (a fraction
-    of the steps score the longer one); None where either has no estimate."""
+def _between_passes(scoring: tuple[float | None, ...], positions: float) -> float | None:
+    """The cost at a mean of ``positions`` per row on a curve ``scoring`` (index n: n positions per row), between
+    the whole passes around it (a fraction of the steps score the longer one); None where either has none."""
     shorter = int(positions)
-    low = scoring(shorter, batch_size)
+    low = scoring[shorter]
     if positions == shorter or low is None:
         return low
-    high = scoring(shorter + 1, batch_size)
+    high = scoring[shorter + 1]
     return None if high is None else low + (high - low) * (positions - shorter)
 
 
@@ -571,10 +584,11 @@ class CostModelPolicy(GammaPolicy):
         cap = min(self.max_gamma, max(max_ks))
         if cap <= 0:
             return 0, None
-        if self.costs.verify_time(1, batch_size) is None:
+        scoring = self.costs.verify_curve(cap + 1, batch_size)
+        if scoring[1] is None:
             return 0, None  # measure a plain step at this load first
         rows = sum(1 for m in max_ks if m > 0)
-        if self.costs.verify_time(cap + 1, batch_size) is None or self.costs.draft_time(1, rows) is None:
+        if scoring[cap + 1] is None or self.costs.draft_time(1, rows) is None:
             if not self._could_pay(max_ks, batch_size, hopeful=True):
                 return 0, None  # the scoring cost alone rules drafting out: no need to measure drafting
             # then drafting that measures a longer scoring pass and what drafting in these rows costs:
@@ -589,7 +603,7 @@ class CostModelPolicy(GammaPolicy):
             # step where only the rows that repay it draft deep (ragged rows)
             rows = [(a.expected_upto(cap), a.reach_upto(cap)) for a in map(Acceptance.of, acceptances)]
             for k in range(2, cap + 1):
-                depths = self._trimmed(rows, ks[k], rates[k], batch_size)
+                depths = self._trimmed(rows, ks[k], rates[k], batch_size, scoring)
                 if depths != ks[k]:
                     # _step_tokens / _step_positions (ragged) at these depths, from the rows in hand: calling
                     # them per k cost ~15% more choosing time for the same numbers
@@ -633,16 +647,12 @@ class CostModelPolicy(GammaPolicy):
         (see :func:`_step_positions`; default k + 1); None where that pass has no estimate. With
         ``stale_after``, scoring passes not measured within that many steps at their cheapest plausible cost
         (``hopeful_verify_time``)."""
-        if stale_after is None:
-            scoring = self.costs.verify_time
-        else:
-            scoring = lambda n, b: self.costs.hopeful_verify_time(n, b, stale_after)  # noqa: E731
-        drafting_rows = sum(1 for m in max_ks if m > 0)
+        scoring = self.costs.verify_curve(cap + 1, batch_size, stale_after)
+        drafting = self.costs.draft_curve(cap, sum(1 for m in max_ks if m > 0))
         rates = []
         for k in range(cap + 1):  # k <= cap <= the largest max_k: the longest draft is k
-            drafting = self.costs.draft_time(k, drafting_rows if k else 0)
-            seconds = _between_passes(scoring, k + 1 if positions is None else positions[k], batch_size)
-            rates.append(None if seconds is None else tokens[k] / ((drafting or 0.0) + seconds))
+            seconds = _between_passes(scoring, k + 1 if positions is None else positions[k])
+            rates.append(None if seconds is None else tokens[k] / ((drafting[k] or 0.0) + seconds))
         return rates
 
     def _could_pay(self, max_ks: list[int], batch_size: int, hopeful: bool = False) -> bool:
@@ -751,16 +761,16 @@ class CostModelPolicy(GammaPolicy):
             ks = trimmed if trimmed is not None else [min(k, m) for m in max_ks]
         return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
 
-    def _trimmed(self, rows: list[tuple[list[float], list[float]]], ks: list[int], rate: float,
-                 batch_size: int) -> list[int]:
+    def _trimmed(self, rows: list[tuple[list[float], list[float]]], ks: list[int], rate: float, batch_size: int,
+                 scoring: tuple[float | None, ...]) -> list[int]:
         """Each row's k after dropping its deepest drafts where the tokens they are expected to add fall below
         what the positions they add cost at the step's ``rate``, in tokens per second (ragged rows score each
         row's own draft); a row keeps one token at least, so every row's rates are measured at each drafting
         step (rows left at 0 came back late: docs/policies.md). ``rows``: each row's expected tokens by k asked
         and reach by depth (:meth:`Acceptance.expected_upto`, :meth:`Acceptance.reach_upto`), up to its k
-        at least."""
+        at least; ``scoring``: the pass's cost by positions per row (:meth:`MeasuredCosts.verify_curve`)."""
         k = max(ks, default=0)
-        longest, plain = self.costs.verify_time(k + 1, batch_size), self.costs.verify_time(1, batch_size)
+        longest, plain = scoring[k + 1], scoring[1]
         if (k < 2 or self._padded or not rate or longest is None or plain is None
                 or not self.costs.is_fresh(k + 1, batch_size)):
             # padded rows score every row over the longest draft: a shorter one saves nothing; a longest pass
