@@ -259,6 +259,33 @@ def test_compare_reports_the_speed_choices_this_machine_made(tiny_dirs, tmp_path
     assert any(line.startswith("machine choice ") for line in notes(report))
 
 
+def test_load_bench_reports_the_machines_choices_and_whether_its_verify_passes_are_bit_identical(tiny_dirs, tmp_path):
+    from specplug import machine
+    from specplug.bench import load
+
+    machine.forget()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    result = CliRunner().invoke(main, [
+        "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "-w", str(prompts), "--gammas", "2",
+        "--temperatures", "0", "--max-new-tokens", "6", "--batch-sizes", "1", "--repeats", "1", "--requests", "1",
+        "--json", "--html", ""], catch_exceptions=False)
+    report = json.loads(result.stdout)
+    taken = {(c["name"], c["value"], c["source"]) for c in report["machine"]["choices"]}
+    assert taken and taken == {(c.name, c.value, c.source) for c in machine.machine_choices()}
+
+    def text() -> str:
+        console = Console(width=400, file=io.StringIO(), record=True)
+        load.render(report, console)
+        return console.export_text()
+
+    assert f"{report['target']['matmul_dtype']} products" in text()
+    assert sum(line.startswith("machine choice ") for line in text().splitlines()) == len(report["machine"]["choices"])
+    assert "not bit-identical" not in text()
+    report["target"]["verify_bit_identical"] = False
+    assert "not bit-identical to its one-token steps on this machine" in text()
+
+
 def test_decoder_options_of_a_spec_go_to_the_decoder_and_the_rest_to_the_proposer():
     from specplug.bench.compare import ProposerSpec
 

@@ -30,11 +30,13 @@ import numpy as np
 import torch
 
 from specplug.batch import generate_batch
+from specplug.machine import machine_choices
 from specplug.plugins import get_proposer
 from specplug.sampling import SamplingParams
 from specplug.target import Target
 
-from .compare import ProposerSpec, attachable, target_info
+from .compare import BIT_IDENTITY, ProposerSpec, attachable, target_info
+from .report import NOT_BIT_IDENTICAL, choice_lines
 
 SCHEMA = "specplug.load/1"
 
@@ -162,7 +164,8 @@ def _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new
                      "temperature": temperature,
                      "repeats": repeats},
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "platform": platform.platform()},
+                    "threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "choices": [c.as_dict() for c in machine_choices()]},
         "skipped": skipped, "cells": [], "best": {},
     }
     base = {B: _median([r["goodput"] for r in runs[("target-only", B)]]) for B in batch_sizes}
@@ -245,6 +248,12 @@ def render(report: dict, console=None) -> None:
     if any(c.get("greedy_equal_to_target_only") is False for c in report["cells"]):
         table.caption = "≠: greedy tokens differ from target-only's in some row"
     console.print(table)
+    target = report["target"]
+    console.print(f"target {target['name']}: {target['matmul_dtype']} products"
+                  + (f", HF's forward ({target['lean_note']})" if not target.get("lean") else ", lean forward")
+                  + ("; " + NOT_BIT_IDENTICAL if target.get(BIT_IDENTITY) is False else ""), highlight=False)
+    for line in choice_lines(report):
+        console.print(line, highlight=False, markup=False)
     policies = [label for label in labels if by[(label, sizes[0])]["policy"] is not None]
     if policies:
         paired = Table(title="policies against the best static γ at each B / against target-only, paired: median "

@@ -51,12 +51,21 @@ def summary(report: dict) -> list[dict]:
     return [best[k] for k in sorted(best)]
 
 
+NOT_BIT_IDENTICAL = ("this target's verify passes are not bit-identical to its one-token steps on this machine, so "
+                     "greedy output may part from target-only's where two tokens nearly tie.")
+
+
+def choice_lines(report: dict) -> list[str]:
+    """One line per speed or kernel choice this machine made (:mod:`specplug.machine`), for any report."""
+    return [f"machine choice {c['name']}: {c['value']} ({c['source']}: {c['why']})"
+            for c in report["machine"].get("choices", [])]
+
+
 def notes(report: dict, wide: bool = False) -> list[str]:
     """The lines printed under the table: what the ratio means, the flagged cells and why, the best cells."""
     lines = [] if wide else [RATIO_NOTE]
     if report["target"].get("verify_bit_identical") is False:
-        lines.append("*: this target's verify passes are not bit-identical to its one-token steps on this machine, "
-                     "so greedy output may part from target-only's where two tokens nearly tie.")
+        lines.append("*: " + NOT_BIT_IDENTICAL)
     for b in report["baseline"]:
         lines.append(f"target-only {b['workload']} T={b['temperature']:g}: "
                      f"{_fmt(b['target_step_time_s'] * 1e3, '.2f')} ms a step, "
@@ -69,8 +78,7 @@ def notes(report: dict, wide: bool = False) -> list[str]:
     if report["machine"].get("wall_time_s"):
         machine = report["machine"]
         lines.append(f"measured in {machine['wall_time_s']:.0f} s on {machine['threads']} thread(s)")
-    for choice in report["machine"].get("choices", []):
-        lines.append(f"machine choice {choice['name']}: {choice['value']} ({choice['source']}: {choice['why']})")
+    lines += choice_lines(report)
     for c in summary(report):
         lines.append(f"best at T={c['temperature']:g} on {c['workload']}: {c['proposer']} γ={c['gamma']}, {_speedup(c)}"
                      + (" (flagged)" if c.get("flags") else ""))
