@@ -108,25 +108,30 @@ def test_load_bench_reports_goodput_per_batch_size_with_policies(tiny_dirs, tmp_
     assert "goodput, tokens/s" in page and "cost-model warm" in page and "Raw report (JSON)" in page
 
 
-def test_load_bench_table_marks_a_cell_whose_greedy_rows_part_from_target_only(tiny_dirs, tmp_path):
-    from specplug.bench import load
-
+def _one_request_load_bench(tiny_dirs, tmp_path) -> dict:
+    """The JSON report of `specplug compare --batch-sizes 1` over one greedy request (ngram, γ = 2)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n')
     result = CliRunner().invoke(main, [
         "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "-w", str(prompts), "--gammas", "2",
         "--temperatures", "0", "--max-new-tokens", "6", "--batch-sizes", "1", "--repeats", "1", "--requests", "1",
         "--json", "--html", ""], catch_exceptions=False)
-    report = json.loads(result.stdout)
+    return json.loads(result.stdout)
 
-    def table() -> str:
-        console = Console(width=200, file=io.StringIO(), record=True)
-        load.render(report, console)
-        return console.export_text()
 
-    assert "≠" not in table()  # greedy speculative rows equal target-only's
+def _rendered(report: dict) -> str:
+    from specplug.bench import load
+
+    console = Console(width=400, file=io.StringIO(), record=True)
+    load.render(report, console)
+    return console.export_text()
+
+
+def test_load_bench_table_marks_a_cell_whose_greedy_rows_part_from_target_only(tiny_dirs, tmp_path):
+    report = _one_request_load_bench(tiny_dirs, tmp_path)
+    assert "≠" not in _rendered(report)  # greedy speculative rows equal target-only's
     next(c for c in report["cells"] if c["variant"] == "ngram γ=2")["greedy_equal_to_target_only"] = False
-    assert "≠: greedy tokens differ" in table()
+    assert "≠: greedy tokens differ" in _rendered(report)
 
 
 def test_load_bench_takes_one_prompt_per_request_unless_told(tiny_dirs, tmp_path):
@@ -261,29 +266,19 @@ def test_compare_reports_the_speed_choices_this_machine_made(tiny_dirs, tmp_path
 
 def test_load_bench_reports_the_machines_choices_and_whether_its_verify_passes_are_bit_identical(tiny_dirs, tmp_path):
     from specplug import machine
-    from specplug.bench import load
 
     machine.forget()
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "def add(a, b):"}\n')
-    result = CliRunner().invoke(main, [
-        "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "-w", str(prompts), "--gammas", "2",
-        "--temperatures", "0", "--max-new-tokens", "6", "--batch-sizes", "1", "--repeats", "1", "--requests", "1",
-        "--json", "--html", ""], catch_exceptions=False)
-    report = json.loads(result.stdout)
+    report = _one_request_load_bench(tiny_dirs, tmp_path)
     taken = {(c["name"], c["value"], c["source"]) for c in report["machine"]["choices"]}
     assert taken and taken == {(c.name, c.value, c.source) for c in machine.machine_choices()}
-
-    def text() -> str:
-        console = Console(width=400, file=io.StringIO(), record=True)
-        load.render(report, console)
-        return console.export_text()
-
-    assert f"{report['target']['matmul_dtype']} products" in text()
-    assert sum(line.startswith("machine choice ") for line in text().splitlines()) == len(report["machine"]["choices"])
-    assert "not bit-identical" not in text()
+    text = _rendered(report)
+    assert f"{report['target']['matmul_dtype']} products" in text
+    made = {(c["name"], c["value"], c["source"], c["why"]) for c in report["machine"]["choices"]}
+    assert sum(line.startswith("machine choice ") for line in text.splitlines()) == len(made)  # one per kind
+    # whichever path this machine's probe found, the table says so
+    assert ("not bit-identical" in text) == (report["target"]["verify_bit_identical"] is False)
     report["target"]["verify_bit_identical"] = False
-    assert "not bit-identical to its one-token steps on this machine" in text()
+    assert "not bit-identical to its one-token steps on this machine" in _rendered(report)
 
 
 def test_decoder_options_of_a_spec_go_to_the_decoder_and_the_rest_to_the_proposer():

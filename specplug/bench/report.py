@@ -56,9 +56,10 @@ NOT_BIT_IDENTICAL = ("this target's verify passes are not bit-identical to its o
 
 
 def choice_lines(report: dict) -> list[str]:
-    """One line per speed or kernel choice this machine made (:mod:`specplug.machine`), for any report."""
-    return [f"machine choice {c['name']}: {c['value']} ({c['source']}: {c['why']})"
-            for c in report["machine"].get("choices", [])]
+    """One line per speed or kernel choice this machine made (:mod:`specplug.machine`), for any report; a choice
+    made alike for several shapes (its key) is one line."""
+    return list(dict.fromkeys(f"machine choice {c['name']}: {c['value']} ({c['source']}: {c['why']})"
+                              for c in report["machine"].get("choices", [])))
 
 
 def notes(report: dict, wide: bool = False) -> list[str]:
