@@ -405,6 +405,10 @@ def test_load_bench_reports_goodput_and_latency_per_batch_size(tiny_dirs, tiny_t
     assert all(c["mean_gamma"] <= 1 for c in recorded)
     assert set(report["best"]) == {"1", "3"} and report["settings"]["requests"] == 4
     assert all(c["paired_vs_best_static"] > 0 and c["paired_vs_target_only"] > 0 for c in recorded)
+    for c in recorded:  # a policy chooses γ for its proposer: it is measured against that proposer's static γ
+        own = [o for o in report["cells"] if o["batch_size"] == c["batch_size"] and o["policy"] is None
+               and o["proposer"] in (c["proposer"], None)]
+        assert c["best_static"] == max(own, key=lambda o: o["goodput_tokens_per_s"])["variant"]
     from rich.console import Console
 
     console = Console(record=True, width=160)

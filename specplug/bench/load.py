@@ -201,7 +201,11 @@ def _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new
                                   "speculation_pays": bool(best and best["variant"] != "target-only")}
         for c in at_b:
             if c["policy"] is not None:  # the same repeat's runs of the two cells, side by side
-                for key, other in (("paired_vs_best_static", best_static), ("paired_vs_target_only", _by_label(at_b, "target-only"))):
+                # against its own proposer's static γ (γ = 0 being target-only): the policy chooses γ, not the proposer
+                own = max((s for s in static if s["proposer"] in (c["proposer"], None)),
+                          key=lambda s: s["goodput_tokens_per_s"], default=None)
+                c["best_static"] = own and own["variant"]
+                for key, other in (("paired_vs_best_static", own), ("paired_vs_target_only", _by_label(at_b, "target-only"))):
                     c[key] = other and _paired(runs[(c["variant"], B)], runs[(other["variant"], B)])
     return report
 
@@ -256,8 +260,8 @@ def render(report: dict, console=None) -> None:
         console.print(line, highlight=False, markup=False)
     policies = [label for label in labels if by[(label, sizes[0])]["policy"] is not None]
     if policies:
-        paired = Table(title="policies against the best static γ at each B / against target-only, paired: median "
-                             "over repeats of the ratio within a repeat")
+        paired = Table(title="policies against their proposer's best static γ at each B (γ = 0: target-only) / "
+                             "against target-only, paired: median over repeats of the ratio within a repeat")
         paired.add_column("variant")
         for B in sizes:
             paired.add_column(f"B={B}", justify="right")

@@ -56,10 +56,17 @@ NOT_BIT_IDENTICAL = ("this target's verify passes are not bit-identical to its o
 
 
 def choice_lines(report: dict) -> list[str]:
-    """One line per speed or kernel choice this machine made (:mod:`specplug.machine`), for any report; a choice
-    made alike for several shapes (its key) is one line."""
-    return list(dict.fromkeys(f"machine choice {c['name']}: {c['value']} ({c['source']}: {c['why']})"
-                              for c in report["machine"].get("choices", [])))
+    """One line per speed or kernel choice this machine made (:mod:`specplug.machine`), for any report; a form
+    chosen alike for several shapes (its key) is one line, with the first shape's reason."""
+    made: dict[tuple[str, str], list[dict]] = {}
+    for c in report["machine"].get("choices", []):
+        made.setdefault((c["name"], c["value"]), []).append(c)
+    lines = []
+    for (name, value), alike in made.items():
+        sources = "/".join(dict.fromkeys(c["source"] for c in alike))
+        shapes = f"{len(alike)} shapes, e.g. " if len(alike) > 1 else ""
+        lines.append(f"machine choice {name}: {value} ({sources}: {shapes}{alike[0]['why']})")
+    return lines
 
 
 def notes(report: dict, wide: bool = False) -> list[str]:
