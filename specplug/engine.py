@@ -83,9 +83,10 @@ def prompt_ids(target: Target, prompt: str | Sequence[int]) -> list[int]:
     ids = target.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
     if not ids:
         raise ValueError("empty prompt: give at least one token (a string that encodes to nothing is empty too)")
-    bad = [t for t in ids if not 0 <= t < target.vocab_size]
+    vocab_size = target.vocab_size  # a property that walks the model: once, not per token
+    bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token id {bad[0]} is outside the target vocabulary [0, {target.vocab_size})")
+        raise ValueError(f"prompt token id {bad[0]} is outside the target vocabulary [0, {vocab_size})")
     limit = target.max_positions
     if limit is not None and len(ids) >= limit:
         raise ValueError(f"prompt has {len(ids)} tokens but target {target.name!r} has only {limit} positions")
@@ -188,6 +189,8 @@ class Engine:
         if self.cap < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.target, self.proposer, self.strict = target, proposer, strict
+        # read once per run (the target's properties walk its modules; a run does not move the model)
+        self.device, self.vocab_size = target.device, target.vocab_size
         self.name = _name(proposer) if proposer is not None else "target-only"
         self.features = tuple(getattr(proposer, "needs_features", ())) if proposer is not None else ()
         tree = getattr(proposer, "tree", 0)  # a tree-drafting proposer's node budget option (policies may lower it)
@@ -323,9 +326,8 @@ class Engine:
                 except Exception as exc:
                     self._fell_back(req, "propose", exc)
                 req.draft_time = time.perf_counter() - t0
-        device = self.target.device
         for req in self.live:
-            req.proposal = self._checked(req) if req.proposal is not None else Proposal.empty(device)
+            req.proposal = self._checked(req) if req.proposal is not None else Proposal.empty(self.device)
 
     def _checked(self, req: Request) -> Proposal | TreeProposal:
         """The proposal on the target's device, once it is known to be verifiable: before scoring, so a bad id
@@ -336,7 +338,7 @@ class Engine:
                 raise self._fail(req, "drafted a tree, but verification='block' verifies chains only "
                                       "(use verification='token', or a chain: tree=0)")
             try:
-                return checked_tree(proposal, req.asked, self.target.vocab_size, self.target.device)
+                return checked_tree(proposal, req.asked, self.vocab_size, self.device)
             except ProposalError as exc:
                 raise self._fail(req, str(exc)) from exc
         if not isinstance(proposal, Proposal):
@@ -344,10 +346,10 @@ class Engine:
         if proposal.k > req.asked:
             raise self._fail(req, f"proposed {proposal.k} tokens when asked for at most {req.asked}")
         try:
-            validate_proposal(proposal, self.target.vocab_size)
+            validate_proposal(proposal, self.vocab_size)
         except ProposalError as exc:
             raise self._fail(req, str(exc)) from exc
-        return proposal.to(self.target.device)
+        return proposal.to(self.device)
 
     # --- verify ----------------------------------------------------------------------------------------
     def _verify(self, scores: RowScores) -> list[Verdict]:

@@ -57,6 +57,7 @@ BAD_PROPOSALS = [
     ("zero-q", _q_zero, "q = 0"),
     ("not-a-distribution", lambda V: Proposal(torch.tensor([1]), torch.full((1, V), 0.5)), "not a distribution"),
     ("out-of-range", lambda V: Proposal.point_mass([V + 3]), "outside the target vocabulary"),
+    ("negative-id", lambda V: Proposal.point_mass([1, -2]), "id -2 at position 1 is outside the target vocabulary"),
     ("wrong-shape", lambda V: Proposal(torch.tensor([1]), torch.full((1, V - 1), 1 / (V - 1))), "shape"),
     ("extra-q-rows", lambda V: Proposal(torch.tensor([1]), torch.full((2, V), 1 / V)), "rows"),
 ]

@@ -33,6 +33,10 @@ class Proposal:
         return cls(torch.as_tensor(tokens, dtype=torch.long), None)
 
     def to(self, device: torch.device | str) -> "Proposal":
+        """This proposal on ``device``: itself where it is there already (as ``Tensor.to``)."""
+        device = torch.device(device)
+        if self.tokens.device == device and (self.q is None or self.q.device == device):
+            return self
         return Proposal(self.tokens.to(device), None if self.q is None else self.q.to(device))
 
     @property

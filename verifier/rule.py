@@ -130,12 +130,17 @@ def validate_proposal(proposal: Proposal, vocab_size: int) -> None:
     """
     k = proposal.k
     q = proposal.q
-    if q is not None and (q.dim() != 2 or q.shape[0] != k):
+    if q is None:  # a point mass: its few ids are all there is to check, cheaper in Python than as tensor ops
+        bad = next(((i, t) for i, t in enumerate(proposal.tokens.tolist()) if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise _outside_vocabulary(bad[1], bad[0], vocab_size)
+        return
+    if q.dim() != 2 or q.shape[0] != k:
         raise ProposalError(f"q has shape {tuple(q.shape)} for {k} draft tokens; it must be [k, V] = [{k}, {vocab_size}] "
                             "(q rows must match the drafted tokens one to one)")
     tokens = proposal.tokens.unsqueeze(0)
-    validate_draft_rows(tokens, None if q is None else q.unsqueeze(0), torch.full((1,), k, device=tokens.device),
-              torch.ones_like(tokens, dtype=torch.bool), vocab_size)
+    validate_draft_rows(tokens, q.unsqueeze(0), torch.full((1,), k, device=tokens.device),
+                        torch.ones_like(tokens, dtype=torch.bool), vocab_size)
 
 
 def verify(p_target: torch.Tensor, proposal: Proposal, generator: torch.Generator | None = None, *,
@@ -175,6 +180,10 @@ def verify_greedy(target_argmax: torch.Tensor | list[int], proposal: Proposal) -
     return Verdict(accepted=accepted, proposed=len(drafts), tokens=drafts[:accepted] + [best[accepted]])
 
 
+def _outside_vocabulary(token: int, index: int, V: int, what: str = "position") -> ProposalError:
+    return ProposalError(f"draft token id {token} at {what} {index} is outside the target vocabulary [0, {V})")
+
+
 def validate_draft_rows(draft_tokens: torch.Tensor, q_draft: torch.Tensor | None, lengths: torch.Tensor,
                         valid: torch.Tensor, V: int, what: str = "position") -> None:
     """Proposer bugs become ProposalErrors here rather than silently wrong samples.
@@ -188,8 +197,7 @@ def validate_draft_rows(draft_tokens: torch.Tensor, q_draft: torch.Tensor | None
     bad = valid & ((draft_tokens < 0) | (draft_tokens >= V))
     if bool(bad.any()):
         b, i = (int(v) for v in bad.nonzero()[0])
-        raise ProposalError(f"draft token id {int(draft_tokens[b, i])} at {what} {i} is outside the "
-                            f"target vocabulary [0, {V})")
+        raise _outside_vocabulary(int(draft_tokens[b, i]), i, V, what)
     if q_draft is None:
         return
     if q_draft.shape != (B, K, V):
