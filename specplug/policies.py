@@ -584,7 +584,7 @@ class CostModelPolicy(GammaPolicy):
         cap = min(self.max_gamma, max(max_ks))
         if cap <= 0:
             return 0, None
-        scoring = self.costs.verify_curve(cap + 1, batch_size)
+        scoring = self.costs.verify_curve(cap + 1, batch_size, None)  # as _rates asks for it: one memo entry
         if scoring[1] is None:
             return 0, None  # measure a plain step at this load first
         rows = sum(1 for m in max_ks if m > 0)

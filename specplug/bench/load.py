@@ -255,7 +255,7 @@ def render(report: dict, console=None) -> None:
     target = report["target"]
     console.print(f"target {target['name']}: {target['matmul_dtype']} products"
                   + (f", HF's forward ({target['lean_note']})" if not target.get("lean") else ", lean forward")
-                  + ("; " + NOT_BIT_IDENTICAL if target.get(BIT_IDENTITY) is False else ""), highlight=False)
+                  + ("; " + NOT_BIT_IDENTICAL if target.get(BIT_IDENTITY) is False else ""), highlight=False, markup=False)
     for line in choice_lines(report):
         console.print(line, highlight=False, markup=False)
     policies = [label for label in labels if by[(label, sizes[0])]["policy"] is not None]
