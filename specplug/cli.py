@@ -244,7 +244,8 @@ def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_
     warm = get_policy("cost-model", max_gamma=max(gammas))
     policies = {"heuristic": lambda: get_policy("heuristic", gamma=max(gammas)),
                 # cold: a fresh policy per run pays its measurements in every run (~1-2 s of decoding here);
-                # warm: one policy kept across runs, as a server keeps it, reuses what it measured
+                # warm: one policy kept across runs, as a server keeps it, reuses what it measured (of each
+                # proposer apart: it serves them all)
                 "cost-model": lambda: get_policy("cost-model", max_gamma=max(gammas)),
                 "cost-model warm": lambda: warm}
     prompts = [p for w in workloads for p in w.prompts]

@@ -469,6 +469,12 @@ def _ewma(old: float, new: float, decay: float) -> float:
     return decay * old + (1 - decay) * new
 
 
+# what CostModelPolicy measures of one proposer (kept apart per proposer: CostModelPolicy._serve)
+PER_PROPOSER = ("costs", "_batch_idle", "_batch_wait", "_batch_k", "_last_step", "_last_rows", "_probe_row",
+                "_probing", "_empty_row", "_padded", "_catch_up", "_probe_all", "_probe_step", "_probe_accepted",
+                "budgets")
+
+
 class CostModelPolicy(GammaPolicy):
     """Choose k in 0..max_gamma maximising the expected tokens of a k-token draft over draft_time(k) + the
     scoring of the positions it is expected to draft (k + 1 for a proposer that always drafts what is asked).
@@ -504,7 +510,10 @@ class CostModelPolicy(GammaPolicy):
     of the step, since every row waits for the longest draft and all drafting; over ragged rows a row whose
     deeper drafts would not repay the positions they add drafts fewer, one at least (:meth:`_trimmed`), and
     each k is priced with its rows so trimmed.
-    ``costs`` may be replaced (tests use a controlled one).
+
+    Everything it measures is the proposer's (by name): one policy kept across proposers (a server with several
+    drafters, the load bench's warm cells) keeps each one's costs and on/off state apart.
+    ``costs`` may be replaced (tests use a controlled one; it serves the first proposer seen).
     """
 
     name = "cost-model"
@@ -514,13 +523,19 @@ class CostModelPolicy(GammaPolicy):
         self.max_gamma, self.decay, self.prior_alpha, self.probe_every = max_gamma, decay, prior_alpha, probe_every
         self.rate_decay = rate_decay
         self.switch_on_margin = switch_on_margin
-        self.costs = costs or MeasuredCosts(decay)
+        self._start_measuring(costs or MeasuredCosts(decay))
+        self._serving: str | None = None  # the proposer the measurements below belong to
+        self._set_aside: dict[str, dict] = {}  # other proposers' measurements, by name
         self.alpha_by_proposer: dict[str, float] = {}
         self.acceptance_by_proposer: dict[str, Acceptance] = {}
         self._reach: dict[str, list[list[float]]] = {}  # per proposer and depth: decayed [drafted, asked]
         # decayed [accepted, tried] per proposer: all positions, first positions, later positions
         self._proposer_sums: dict[str, dict[str, list[float]]] = {}
-        self._batch_idle, self._batch_wait = 0, probe_every
+
+    def _start_measuring(self, costs: MeasuredCosts) -> None:
+        """This proposer's measurements (:data:`PER_PROPOSER`), from nothing."""
+        self.costs = costs
+        self._batch_idle, self._batch_wait = 0, self.probe_every
         self._batch_k = 1  # the last batch choice, a probe counting as none (0: speculation is off)
         self._last_step: dict | None = None
         self._last_rows = 0  # rows that drafted in the previous batch step (rows beyond it had a backlog)
@@ -533,6 +548,23 @@ class CostModelPolicy(GammaPolicy):
         self._probe_step: dict | None = None  # that probe's step, until the next choice weighs it
         self._probe_accepted = 0  # drafts that probe's rows had accepted
         self.budgets = NodeBudgets()  # tree-drafting proposers: the node budget (node_budgets)
+
+    def _serve(self, seq) -> None:
+        """Measure for ``seq``'s proposer. Drafting costs, scoring costs and whether speculation is off belong to
+        the proposer that was measured: a policy kept across proposers (one server, several drafters) keeps each
+        one's measurements apart, as the acceptance rates already are."""
+        proposer = seq.scratch.get("proposer", "")
+        if proposer == self._serving:
+            return
+        if self._serving is not None:
+            self._set_aside[self._serving] = {name: getattr(self, name) for name in PER_PROPOSER}
+            kept = self._set_aside.pop(proposer, None)
+            if kept is None:
+                self._start_measuring(MeasuredCosts(self.decay))
+            else:
+                for name, value in kept.items():
+                    setattr(self, name, value)
+        self._serving = proposer
 
     def _state(self, seq) -> dict:
         key = f"policy:{self.name}"
@@ -568,6 +600,7 @@ class CostModelPolicy(GammaPolicy):
             reach[d][0] = REACH_RELAX * reach[d][0] + (1 - REACH_RELAX) * reach[d][1]
 
     def begin(self, seq):
+        self._serve(seq)
         self._state(seq)
 
     def best_k(self, acceptance: Acceptance | float, max_k: int, batch_size: int = 1, off: bool = False) -> int:
@@ -688,6 +721,7 @@ class CostModelPolicy(GammaPolicy):
         return frozen() if frozen is not None else contextlib.nullcontext()
 
     def choose(self, seq, max_k):
+        self._serve(seq)
         with self._frozen():
             return self._choose(seq, max_k)
 
@@ -728,6 +762,8 @@ class CostModelPolicy(GammaPolicy):
         """One k for the whole step (each row capped by its own max_k); a probe drafts one token in one row
         only (the likeliest to be accepted), which is all it needs to learn whether α has changed, unless
         drafting in every row costs hardly more (see :meth:`_measure_from_off`)."""
+        if seqs:
+            self._serve(seqs[0])  # a batch's rows share one proposer
         with self._frozen():
             ks = self._choose_batch(seqs, max_ks)
         for seq, k in zip(seqs, ks):
@@ -835,6 +871,7 @@ class CostModelPolicy(GammaPolicy):
         return ks
 
     def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
+        self._serve(seq)
         step = seq.scratch.get("batch_step")
         state = self._state(seq)
         shape = seq.scratch.get("drafted_tree")  # (nodes, depth) of a tree step, None for a chain

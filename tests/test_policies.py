@@ -181,6 +181,31 @@ def test_cost_model_measures_a_plain_step_and_a_short_draft_then_revisits_an_ext
     assert 0 < policy.choose(seq, 8) < 6  # decided again on the measured far end of the line
 
 
+def test_a_policy_kept_across_proposers_keeps_each_ones_costs_and_off_state_apart(tiny_target):
+    """One policy serving two proposers (the load bench's warm cells): a drafter measured dear switches
+    speculation off for itself only; the next proposer is measured from scratch, and the first one's
+    measurements are still there when it comes back."""
+    policy = CostModelPolicy(max_gamma=6, probe_every=1000)
+
+    def request(proposer):
+        seq = seq_state(tiny_target)
+        seq.scratch["proposer"] = proposer
+        policy.begin(seq)
+        return seq
+
+    dear = request("dear")
+    for _ in range(8):  # drafting a token costs five plain steps
+        k = policy.choose(dear, 8)
+        policy.update(dear, k, k, 0.050 * k, 0.010 + 0.001 * k)
+    assert policy.choose(dear, 8) == 0
+    cheap = request("cheap")
+    assert policy.choose(cheap, 8) == 0  # nothing measured for it: a plain step first, as a fresh policy
+    policy.update(cheap, 0, 0, 0.0, 0.010)
+    assert policy.choose(cheap, 8) == MEASURE_K  # then a short draft: not priced at the other's drafting cost
+    policy.update(cheap, 2, 2, 0.0002, 0.011)
+    assert policy.choose(request("dear"), 8) == 0  # what was measured of the first is kept
+
+
 def test_cost_model_never_drafts_long_where_a_short_draft_already_shows_scoring_is_dear(tiny_target):
     policy = CostModelPolicy(max_gamma=8, probe_every=1000)
     seqs = [seq_state(tiny_target) for _ in range(8)]
