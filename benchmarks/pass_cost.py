@@ -1,0 +1,64 @@
+"""What a verify pass costs against a plain step, at a batch size: the number speculation has to beat.
+
+    python benchmarks/pass_cost.py [--target zoo:pycode] [--batch-size 16] [--tokens 1,2,3,5,7] [--repeats 9]
+
+Each of ``--batch-size`` rows holds one held-out HumanEval prompt in the target's lean cache; a pass feeds
+every row n tokens (a γ = n − 1 verify pass; n = 1 is a plain step) through ``LeanLlama.run_rows``, and each
+row's cache is cut back afterwards. Prints the median time per pass and its ratio to the plain step, n
+interleaved per repeat. With τ tokens emitted per pass, speculation at this batch size can reach at most
+τ / ratio(γ + 1) (drafting free, prefill left out).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import specplug
+from specplug.bench.workloads import humaneval_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="zoo:pycode")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--tokens", default="1,2,3,5,7", help="tokens per row in a pass (1: a plain step)")
+    parser.add_argument("--repeats", type=int, default=9)
+    args = parser.parse_args()
+    counts = [int(n) for n in args.tokens.split(",")]
+    target = specplug.Target.from_pretrained(args.target)
+    if target.lean is None:
+        raise SystemExit(f"{args.target} has no lean forward here: {target.lean_note}")
+    lean, tokenizer = target.lean, target.tokenizer
+    caches = []
+    for prompt in humaneval_prompts(args.batch_size):
+        cache = lean.new_cache()
+        lean.run(cache, tokenizer(prompt)["input_ids"], keep=1)
+        caches.append(cache)
+    lengths = [c.length for c in caches]
+
+    def one_pass(n: int) -> float:
+        t0 = time.perf_counter()
+        lean.run_rows(caches, [[0] * n for _ in caches])
+        seconds = time.perf_counter() - t0
+        for cache, length in zip(caches, lengths):
+            cache.crop(length)
+        return seconds
+
+    for n in counts:  # warm up every shape once
+        one_pass(n)
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    for rep in range(args.repeats):
+        for n in counts[rep % len(counts):] + counts[: rep % len(counts)]:
+            times[n].append(one_pass(n))
+    plain = statistics.median(times[1]) if 1 in times else None
+    print(f"{args.target}, {args.batch_size} rows, prompts of {min(lengths)}-{max(lengths)} tokens, "
+          f"median of {args.repeats}:")
+    for n in counts:
+        t = statistics.median(times[n])
+        ratio = f"  {t / plain:.2f}× a plain step" if plain else ""
+        print(f"  {n} token(s) a row: {1e3 * t:7.2f} ms{ratio}")
+
+
+if __name__ == "__main__":
+    main()
