@@ -5,7 +5,9 @@ reading weights: int8 copies (:mod:`specplug.int8_products`) read a quarter of f
 machines, for small weights held in cache, or where bf16 products run on AMX tiles
 (:mod:`specplug.amx_products`), float products (with one-row column-major copies, see
 :class:`specplug.lean_llama.Product`) are as fast or faster. :func:`drafting_weights` times both once per
-machine and drafter shape, over 1 and 16 rows (:mod:`specplug.machine`, choice ``int8_drafting``). A drafter's
+machine and drafter shape, over 1 and 16 rows (:mod:`specplug.machine`, choice ``int8_drafting``); each int8
+product then takes only the row counts at which int8 is not the slower form, and more rows through a bf16 (or
+float32) copy (choice ``int8_rows``, :func:`specplug.int8_products.rows_through_int8`). A drafter's
 arithmetic never touches exactness: it samples from the q it reports, and the verifier corrects for q.
 """
 from __future__ import annotations

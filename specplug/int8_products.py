@@ -17,8 +17,11 @@ Scheme: symmetric, one scale per output row (``scale = max |w_row| / 127``), the
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
+
+from . import machine
 
 ACTIVATIONS = torch.bfloat16  # the kernel's input dtype on CPU (float32 inputs take a slow path: 20× slower)
 
@@ -53,6 +56,58 @@ def checked_weights(value, forms: tuple[str, ...], device, who: str, fallback: s
         raise ValueError(f"{who}: weights='int8' needs torch's int8 kernel (torch._weight_int8pack_mm), which "
                          f"this torch build does not run on {device}; pass weights={fallback!r}")
     return value
+
+
+ROWS_CHOICE = "int8_rows"
+ALL = "all"
+PROBED_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def wide_dtype(device) -> torch.dtype:
+    """The dtype of a product's form for many rows: bf16 on a CPU with native bf16 products (the int8 kernel's
+    inputs are bf16 already), else float32."""
+    if torch.device(device).type == "cpu":
+        try:
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return torch.bfloat16
+        except (AttributeError, RuntimeError):
+            pass
+    return torch.float32
+
+
+def rows_through_int8(key: str, nbytes: int, int8_form: Callable[[int], object],
+                      wide_form: Callable[[int], object], margin: float = 0.1) -> int | None:
+    """Up to how many rows a product runs through its int8 copy rather than its wide form (:func:`wide_dtype`),
+    None for every row count: timed at :data:`PROBED_ROWS` rows once per machine and shape (choice
+    ``int8_rows``), int8 standing at a row count unless the wide form is faster by more than ``margin``.
+
+    Why: ``torch._weight_int8pack_mm`` runs each row as its own pass over the weight, so its time grows with the
+    rows, while a bf16 product of many rows reads the weight once (on one AVX-512 machine int8 was faster at one
+    row and 2-3× slower at 16). A drafter runs one row per drafting step but many in a batch or a catch-up.
+    Weights under :data:`specplug.machine.MIN_BYTES` stay int8 at every row count, unprobed;
+    ``SPECPLUG_CHOICES=int8_rows=N`` (or ``all``) pins it."""
+    pinned = machine.overrides().get(ROWS_CHOICE)
+    if pinned is not None:
+        if pinned != ALL and not pinned.isdigit():
+            raise ValueError(f"{machine.OVERRIDE_ENV}: {ROWS_CHOICE}={pinned!r} is not a row count or {ALL!r}")
+        machine.record(ROWS_CHOICE, key, pinned, machine.OVERRIDE_ENV, "override")
+        return None if pinned == ALL else int(pinned)
+    if nbytes < machine.MIN_BYTES:
+        machine.record(ROWS_CHOICE, key, ALL, f"weights of {nbytes} bytes: too small to matter, not probed", "default")
+        return None
+
+    def measure() -> str:
+        last = 0
+        for rows in PROBED_ROWS:
+            took = machine.seconds({"int8": lambda: int8_form(rows), "wide": lambda: wide_form(rows)}, repeats=5)
+            if took["int8"] > took["wide"] * (1 + margin):
+                return str(last)
+            last = rows
+        return ALL
+
+    value = machine.remembered(ROWS_CHOICE, key, measure, lambda v: "int8 at every row count probed" if v == ALL
+                               else f"int8 up to {v} row(s), the wide form beyond")
+    return None if value == ALL else int(value)
 
 
 class Int8Product:

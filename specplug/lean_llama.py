@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import amx_products, attention_kernel, few_rows, machine, row_products
+from . import amx_products, attention_kernel, few_rows, int8_products, machine, row_products
 from .int8_products import Int8Product
 
 # Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
@@ -152,17 +152,20 @@ class Product:
     drafter's arithmetic never touches exactness (the verifier uses the q it reports), so the two forms need
     not round alike.
 
-    ``int8`` (drafters only): the product keeps only an int8 copy of the weight (see
-    :mod:`specplug.int8_products`) and ``weight`` is None. A bf16 CPU weight may instead be multiplied on AMX
+    ``int8`` (drafters only): the product keeps an int8 copy of the weight (see
+    :mod:`specplug.int8_products`) and ``weight`` is None; where int8 products of many rows are the slower form
+    on this machine (:func:`specplug.int8_products.rows_through_int8`), also a ``wide`` one (bf16 where native)
+    that takes products of more rows than ``int8_rows``. A bf16 CPU weight may instead be multiplied on AMX
     tiles (:mod:`specplug.amx_products`: every row count one product, each row its one-row product) or keep a
     oneDNN-packed copy (:func:`few_rows.packed_copy`: the same bits as unpacked, faster); a float32 CPU weight
     without a one-row copy, through the rows kernel (:mod:`specplug.row_products`, the same property)."""
 
-    __slots__ = ("weight", "bias", "one_row", "int8", "packed", "tiles")
+    __slots__ = ("weight", "bias", "one_row", "int8", "packed", "tiles", "wide", "int8_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, one_row_copy: bool = False,
                  int8: bool = False):
         self.int8 = Int8Product(weight, bias) if int8 else None
+        self.wide, self.int8_rows = _wide_form(self.int8, weight, bias) if int8 else (None, None)
         self.weight, self.bias = (None, None) if int8 else (weight, bias)
         self.one_row = _one_row_copy(weight, bias) if one_row_copy and not int8 else None
         self.packed = None if int8 else few_rows.packed_copy(weight, bias)
@@ -177,6 +180,8 @@ class Product:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
+            if self.wide is not None and x.numel() > self.int8_rows * x.shape[-1]:
+                return self.wide(x)
             return self.int8(x)
         if self.tiles is not None:
             y = self.tiles(x)
@@ -188,10 +193,24 @@ class Product:
     def nbytes(self) -> int:
         """Bytes of the one-row, int8 or packed copy (the weight itself belongs to the model)."""
         if self.int8 is not None:
-            return self.int8.nbytes()
+            return self.int8.nbytes() + (0 if self.wide is None else self.wide.nbytes()
+                                         + self.wide.weight.numel() * self.wide.weight.element_size())
         copies = [t for t in (self.one_row, self.packed) if t is not None]
         tiles = 0 if self.tiles is None else self.tiles.nbytes()
         return sum(t.numel() * t.element_size() for t in copies) + tiles
+
+
+def _wide_form(narrow: Int8Product, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Product | None, int | None]:
+    """An int8 product's form for many rows and the rows up to which the int8 copy runs (None, None: int8 at
+    every row count)."""
+    dtype = int8_products.wide_dtype(weight.device)
+    wide = Product(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype))
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(max(int8_products.PROBED_ROWS), weight.shape[1], generator=gen).to(weight.device, dtype)
+    key = f"{str(dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]} {weight.device}"
+    nbytes = weight.numel() * 4  # the float32 weight the drafter would otherwise read
+    upto = int8_products.rows_through_int8(key, nbytes, lambda n: narrow(rows[:n]), lambda n: wide(rows[:n]))
+    return (None, None) if upto is None else (wide, upto)
 
 
 def _one_row_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

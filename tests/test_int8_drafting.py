@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import specplug
-from specplug import int8_products
+from specplug import int8_products, machine
+from specplug.lean_llama import Product
 from specplug.proposers.draft_model import DraftModelProposer
 from specplug.proposers.eagle import EagleProposer
 from specplug.proposers.mtp import MTPProposer
@@ -131,3 +132,42 @@ def test_bad_weights_setting_names_the_proposer(small_vocab_dirs, small_target):
         DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="fp8")
     with pytest.raises(ValueError, match="draft-model: weights='int8' needs the lean path"):
         DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="int8", fast=False)
+
+
+def test_int8_stays_up_to_the_last_row_count_where_the_wide_form_is_not_clearly_faster(monkeypatch):
+    """Timings replaced (no test asserts how fast a kernel is): int8 taking a second a row, the wide form three
+    seconds at any row count, int8 keeps products of up to 2 rows (4 rows: 4 s against 3 s)."""
+    rows = {}
+
+    def seconds(forms, repeats=9):
+        for form in forms.values():
+            form()
+        return {"int8": 1.0 * rows["n"], "wide": 3.0}
+
+    monkeypatch.setattr(machine, "seconds", seconds)
+    upto = int8_products.rows_through_int8("demo", machine.MIN_BYTES, lambda n: rows.update(n=n), lambda n: None)
+    assert upto == 2
+    rows_never_slower = int8_products.rows_through_int8("demo 2", machine.MIN_BYTES, lambda n: rows.update(n=0),
+                                                        lambda n: None)
+    assert rows_never_slower is None  # int8 at every row count: no wide copy is kept
+    assert int8_products.rows_through_int8("small", machine.MIN_BYTES - 1, None, None) is None  # not probed
+
+
+def test_an_int8_product_takes_few_rows_through_int8_and_more_through_its_wide_form(monkeypatch):
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    narrow = int8_products.Int8Product(weight)
+    wide = Product(weight.to(int8_products.wide_dtype("cpu")))
+    monkeypatch.setenv(machine.OVERRIDE_ENV, "int8_rows=2")
+    product = Product(weight, int8=True)
+    assert torch.equal(product(x[:2]), narrow(x[:2])) and torch.equal(product(x[:1]), narrow(x[:1]))
+    assert torch.equal(product(x), wide(x))
+    assert product.nbytes() > narrow.nbytes()  # the wide copy is counted
+    monkeypatch.setenv(machine.OVERRIDE_ENV, "int8_rows=all")
+    machine.forget()
+    everywhere = Product(weight, int8=True)
+    assert everywhere.wide is None and torch.equal(everywhere(x), narrow(x))
+    monkeypatch.setenv(machine.OVERRIDE_ENV, "int8_rows=many")
+    machine.forget()
+    with pytest.raises(ValueError, match="int8_rows='many' is not a row count or 'all'"):
+        Product(weight, int8=True)
