@@ -243,7 +243,8 @@ class FeatureHeadProposer(Proposer):
         batched = type(self)._rows_step is not FeatureHeadProposer._rows_step
         if not batched or any(node_budget(self.tree, seq) for seq in seqs):
             return [self.propose(seq, k) for seq, k in zip(seqs, ks)]
-        out: list[Proposal | TreeProposal] = [Proposal.empty(seq.target.device) for seq in seqs]
+        device = seqs[0].target.device if seqs else None  # a batch's rows share one target: read it once
+        out: list[Proposal | TreeProposal] = [Proposal.empty(device) for _ in seqs]
         rows, states = [], []
         for j, (seq, k) in enumerate(zip(seqs, ks)):
             st = self._state(seq)
@@ -265,12 +266,14 @@ class FeatureHeadProposer(Proposer):
 
     def _draft_rows(self, seqs: list[SequenceState], ks: list[int], states: list[HeadState]) -> list[Proposal]:
         """:meth:`propose_batch`'s drafting for rows that draft (k >= 1, features pending)."""
-        device = seqs[0].target.device
+        device, dtype = seqs[0].target.device, self.target.dtype
         projections = [self._projection_for(seq) for seq in seqs]
         with torch.inference_mode():
-            feats = [torch.cat(st.pending).to(device=device, dtype=self.target.dtype) for st in states]
-            embeds = [self.target.embedding(torch.tensor(seq.ids[st.fed + 1:], device=device))
-                      for seq, st in zip(seqs, states)]
+            feats = [torch.cat(st.pending).to(device=device, dtype=dtype) for st in states]
+            fed = [seq.ids[st.fed + 1:] for seq, st in zip(seqs, states)]
+            # one lookup for every row's tokens (a module call each cost more than the lookup itself)
+            embeds = self.target.embedding(torch.tensor([t for row in fed for t in row], device=device)).split(
+                [len(row) for row in fed])
             outs = self._rows_step(feats, embeds, [st.fed for st in states], [st.cache for st in states], True)
             outs = outs[torch.tensor([f.shape[0] for f in feats]).cumsum(0) - 1]  # each sequence's newest
             for seq, st in zip(seqs, states):
