@@ -13,6 +13,7 @@ model users loaded is the model that runs.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -202,15 +203,17 @@ class Product:
 
 def _wide_form(narrow: Int8Product, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Product | None, int | None]:
     """An int8 product's form for many rows and the rows up to which the int8 copy runs (None, None: int8 at
-    every row count)."""
+    every row count). The wide copy and the probe's rows are made only where the choice needs them."""
     dtype = int8_products.wide_dtype(weight.device)
-    wide = Product(weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype))
-    gen = torch.Generator().manual_seed(0)
-    rows = torch.randn(max(int8_products.PROBED_ROWS), weight.shape[1], generator=gen).to(weight.device, dtype)
+    wide_bias = None if bias is None else bias.detach().to(dtype)
+    wide = functools.cache(lambda: Product(weight.detach().to(dtype), wide_bias))
+    probe = functools.cache(lambda: torch.randn(max(int8_products.PROBED_ROWS), weight.shape[1],
+                                                generator=torch.Generator().manual_seed(0)).to(weight.device, dtype))
     key = f"{str(dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]} {weight.device}"
     nbytes = weight.numel() * 4  # the float32 weight the drafter would otherwise read
-    upto = int8_products.rows_through_int8(key, nbytes, lambda n: narrow(rows[:n]), lambda n: wide(rows[:n]))
-    return (None, None) if upto is None else (wide, upto)
+    upto = int8_products.rows_through_int8(key, nbytes, lambda n: narrow(probe()[:n]),
+                                           lambda n: wide()(probe()[:n]))
+    return (None, None) if upto is None else (wide(), upto)
 
 
 def _one_row_copy(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
