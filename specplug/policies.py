@@ -191,10 +191,11 @@ class MeasuredCosts:
             self._fit_drafting()
         even = max(1, round(tokens / batch_size)) if tokens else scored
         key = (even, batch_size)
-        expected = self.verify_time(even, batch_size) if self._measured_at(batch_size) else None
+        expected = self._along_n(even, batch_size)
         if expected is not None:
             # a pause (the machine is shared) clipped at twice the estimate, as for drafting: one outlier
-            # must not set k for the rest of a batch
+            # must not set k for the rest of a batch. Only an estimate from this batch size's own measurements
+            # may clip: one carried over from other batch sizes is what this measurement corrects.
             verify_time = min(verify_time, 2 * expected)
         # an old estimate weighs less against a new measurement (one per 8 steps it sat unmeasured)
         keep = self.decay ** max(1.0, self.age.get(key, 0) / 8)
@@ -233,6 +234,12 @@ class MeasuredCosts:
             return inside
         top_rows, top = measured[-1]
         return top * rows / top_rows
+
+    def drafting_measured(self, rows: int) -> bool:
+        """Whether drafting in this many rows is priced from measurements around it; above every measured row
+        count :meth:`draft_time` scales the largest by rows, a bound that a batched drafter (``propose_batch``)
+        stays far below, so a choice made on it alone must measure instead."""
+        return bool(self.draft_pass) and rows <= max(self.draft_pass)
 
     @_memoised
     def _measured_at(self, batch_size: int) -> list[tuple[int, float]]:
@@ -297,12 +304,22 @@ class MeasuredCosts:
             return around
         if mine and n < mine[0][0]:
             return mine[0][1]  # fewer tokens never cost more than the fewest measured
+        return self._fitted(n, batch_size)
+
+    def _fitted(self, n: int, batch_size: int) -> float | None:
+        """Scoring n tokens a row above every measured batch size: a bilinear fit a + b·n + c·B + d·n·B through
+        everything measured, never below a measured pass with no more tokens and rows (scoring more never costs
+        less); None where the points do not determine the fit (one length at one of two batch sizes leaves
+        d free, and a free d can price a pass at nothing)."""
         points = [(m, b, t) for (m, b), t in self.verify.items()]
-        if len(points) >= 4 and len({m for m, _, _ in points}) >= 2 and len({b for _, b, _ in points}) >= 2:
-            design = np.array([[1.0, m, b, m * b] for m, b, _ in points])
-            coef, *_ = np.linalg.lstsq(design, np.array([t for *_, t in points]), rcond=None)
-            return max(float(coef @ np.array([1.0, n, batch_size, n * batch_size])), 1e-9)
-        return None
+        if len(points) < 4:
+            return None
+        design = np.array([[1.0, m, b, m * b] for m, b, _ in points])
+        coef, _, rank, _ = np.linalg.lstsq(design, np.array([t for *_, t in points]), rcond=None)
+        if rank < 4:
+            return None
+        floor = max((t for m, b, t in points if m <= n and b <= batch_size), default=0.0)
+        return max(float(coef @ np.array([1.0, n, batch_size, n * batch_size])), floor, 1e-9)
 
     def is_fresh(self, n: int, batch_size: int, stale_after: int = REMEASURE_AFTER) -> bool:
         """Whether scoring n tokens a row at this batch size was measured within the last ``stale_after``
@@ -484,9 +501,9 @@ class CostModelPolicy(GammaPolicy):
     the proposer's running rates over earlier requests. (The single α, accepted over tried positions, is kept
     too: node budgets and reports read it.)
     Costs are measured, never assumed: at a batch size with no estimate (nothing measured there or at a
-    larger batch size, which bounds it: see :meth:`MeasuredCosts.verify_time`) it first runs a plain step
-    (k = 0), then MEASURE_K drafted tokens in every row, twice (the first pays the drafter's backlog), then
-    decides; a k
+    larger batch size, which bounds it: see :meth:`MeasuredCosts.verify_time`), or drafting in more rows than
+    ever measured, it first runs a plain step (k = 0) where the plain step is unmeasured, then MEASURE_K
+    drafted tokens in every row, twice (the first pays the drafter's backlog), then decides; a k
     chosen on an extrapolated scoring cost is measured by that step and the choice revisited. Scoring cost
     is not linear in the tokens scored (bf16 products are nearly flat in the rows, some shapes hit slower
     kernels than longer ones), so where a draft would clearly win if its scoring pass, unmeasured or not
@@ -621,7 +638,7 @@ class CostModelPolicy(GammaPolicy):
         if scoring[1] is None:
             return 0, None  # measure a plain step at this load first
         rows = sum(1 for m in max_ks if m > 0)
-        if scoring[cap + 1] is None or self.costs.draft_time(1, rows) is None:
+        if scoring[cap + 1] is None or not self.costs.drafting_measured(rows):
             if not self._could_pay(max_ks, batch_size, hopeful=True):
                 return 0, None  # the scoring cost alone rules drafting out: no need to measure drafting
             # then drafting that measures a longer scoring pass and what drafting in these rows costs:
@@ -681,7 +698,11 @@ class CostModelPolicy(GammaPolicy):
         ``stale_after``, scoring passes not measured within that many steps at their cheapest plausible cost
         (``hopeful_verify_time``)."""
         scoring = self.costs.verify_curve(cap + 1, batch_size, stale_after)
-        drafting = self.costs.draft_curve(cap, sum(1 for m in max_ks if m > 0))
+        rows = sum(1 for m in max_ks if m > 0)
+        # hopeful pricing counts drafting in more rows than ever measured as unmeasured (free), not at the
+        # proportional bound: a batched drafter measured in one row would otherwise never be measured in many
+        hopeful = stale_after is not None and not self.costs.drafting_measured(rows)
+        drafting = (0.0,) * (cap + 1) if hopeful else self.costs.draft_curve(cap, rows)
         rates = []
         for k in range(cap + 1):  # k <= cap <= the largest max_k: the longest draft is k
             seconds = _between_passes(scoring, k + 1 if positions is None else positions[k])

@@ -25,6 +25,9 @@ class LinearCosts(MeasuredCosts):
     def draft_time(self, k, rows=1):
         return 0.001 * k * rows
 
+    def drafting_measured(self, rows):
+        return True
+
     def verify_time(self, n, batch_size):
         return 0.010 + self.slope * n
 

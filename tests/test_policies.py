@@ -19,6 +19,9 @@ class ControlledCosts(MeasuredCosts):
     def draft_time(self, k, rows=1):
         return 0.001 * k * rows
 
+    def drafting_measured(self, rows):
+        return True
+
     def verify_time(self, n, batch_size):
         return 0.010 + 0.0005 * n
 
@@ -251,6 +254,9 @@ class BatchCosts(MeasuredCosts):
 
     def draft_time(self, k, rows=1):
         return 0.0001 * k * rows
+
+    def drafting_measured(self, rows):
+        return True
 
     def verify_time(self, n, batch_size):
         return 0.010 + self.slope * n * batch_size
@@ -665,6 +671,46 @@ def test_a_batch_that_shrinks_keeps_drafting_without_measuring_again(tiny_target
         policy.begin(seq)
     assert drive_batch(policy, seqs, 6, verify)[:3] == [0, MEASURE_K, MEASURE_K]
     assert 0 not in drive_batch(policy, seqs[:13], 3, verify) + drive_batch(policy, seqs[:7], 3, verify)
+
+
+def test_a_policy_kept_from_one_row_measures_drafting_in_many_rows_before_pricing_it(tiny_target):
+    """Drafting measured in one row prices four rows at four times as much, a bound a batched drafter stays far
+    below: a policy kept from B = 1 (a server, the load bench's warm cells) measures drafting in every row at
+    B = 4 rather than switch speculation off on that bound."""
+    policy = CostModelPolicy(max_gamma=4, probe_every=1000)
+    one = seq_state(tiny_target)
+    policy.begin(one)
+    for _ in range(8):  # one row: a drafted token costs 2 ms against a 3 ms plain step, and still pays
+        k = policy.choose(one, 4)
+        policy.update(one, k, k, 0.002 * k, 0.003 + 0.0001 * k)
+    assert policy.choose(one, 4) > 0
+    verify = lambda n, b: 0.006 + 0.0005 * n  # four rows drafting together: 0.5 ms + 0.2 ms a token
+    seqs = [seq_state(tiny_target) for _ in range(4)]
+    for seq in seqs:
+        policy.begin(seq)
+    chosen = drive_batch(policy, seqs, 6, verify, accepted_share=1.0)
+    assert chosen[:3] == [0, MEASURE_K, MEASURE_K] and min(chosen[3:]) > 0
+
+
+def test_a_pass_measured_at_a_new_batch_size_is_not_clipped_by_an_estimate_carried_from_others():
+    """The first passes measured at a batch size correct what was carried over from the others, so they are
+    taken as measured; and a fit the points leave free (one length at one of two batch sizes) is no estimate:
+    it priced four-row passes at nothing, and clipped each one measured to twice that."""
+    costs = MeasuredCosts()
+    for n in range(1, 6):
+        costs.observe(n - 1, 0.0, 0.003, 1)  # one row: every length costs a plain step
+    costs.observe(0, 0.0, 0.006, 4)
+    assert costs.verify_time(3, 4) is None
+    costs.observe(2, 0.0, 0.007, 4)
+    assert costs.verify_time(3, 4) == pytest.approx(0.007)
+    assert costs.verify_time(1, 8) >= costs.verify_time(1, 4)  # above them all: never below a measured pass
+    flat = lambda b: 0.003 + 0.001 * b  # few rows: scoring more tokens costs hardly more
+    carried = MeasuredCosts()
+    for n, b in [(1, 1), (5, 1), (1, 4), (5, 4)]:
+        carried.observe(n - 1, 0.0, flat(b), b)
+    carried.observe(0, 0.0, 0.020, 16)
+    carried.observe(6, 0.0, 0.057, 16)  # sixteen rows: seven tokens a row cost 2.85 plain steps, as measured
+    assert carried.verify_time(7, 16) == pytest.approx(0.057)
 
 
 def test_a_new_row_count_takes_the_fixed_share_of_drafting_from_a_solved_one():
