@@ -71,6 +71,9 @@ class HeuristicPolicy(GammaPolicy):
 
 
 REMEASURE_AFTER = 32  # steps at a batch size after which a measured scoring cost counts as stale
+# a stale cost measured again at no less than this share of its estimate waits twice as long before it counts as
+# stale again, up to PATIENCE_MAX times (MeasuredCosts.patience)
+CONFIRMED, PATIENCE_MAX = 0.9, 16
 # drafted tokens a row in the two measuring steps: 2, not 1, so the drafting line's first point already
 # carries part of its slope (docs/policies.md, "Why it is built this way")
 MEASURE_K = 2
@@ -157,6 +160,9 @@ class MeasuredCosts:
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     # steps at batch size B since scoring n tokens a row was last measured there, by (n, B)
     age: dict[tuple[int, int], int] = field(default_factory=dict)
+    # by (n, B): how many REMEASURE_AFTER windows that cost stays fresh; doubled each time a stale estimate is
+    # measured again and confirmed (a kept policy re-explored dear passes every 32 steps, ~5% of a run at B = 16)
+    patience: dict[tuple[int, int], int] = field(default_factory=dict)
     _memo: dict | None = field(default=None, repr=False, compare=False)
 
     @contextlib.contextmanager
@@ -197,6 +203,9 @@ class MeasuredCosts:
             # must not set k for the rest of a batch. Only an estimate from this batch size's own measurements
             # may clip: one carried over from other batch sizes is what this measurement corrects.
             verify_time = min(verify_time, 2 * expected)
+        if key in self.verify and not self.is_fresh(*key):
+            confirmed = verify_time >= CONFIRMED * self.verify[key]
+            self.patience[key] = min(2 * self.patience.get(key, 1), PATIENCE_MAX) if confirmed else 1
         # an old estimate weighs less against a new measurement (one per 8 steps it sat unmeasured)
         keep = self.decay ** max(1.0, self.age.get(key, 0) / 8)
         self.verify[key] = verify_time if key not in self.verify else _ewma(self.verify[key], verify_time, keep)
@@ -324,7 +333,8 @@ class MeasuredCosts:
     def is_fresh(self, n: int, batch_size: int, stale_after: int = REMEASURE_AFTER) -> bool:
         """Whether scoring n tokens a row at this batch size was measured within the last ``stale_after``
         steps there."""
-        return (n, batch_size) in self.verify and self.age.get((n, batch_size), 0) < stale_after
+        key = (n, batch_size)
+        return key in self.verify and self.age.get(key, 0) < stale_after * self.patience.get(key, 1)
 
     @_memoised
     def hopeful_verify_time(self, n: int, batch_size: int, stale_after: int = REMEASURE_AFTER) -> float | None:
@@ -785,8 +795,13 @@ class CostModelPolicy(GammaPolicy):
         drafting in every row costs hardly more (see :meth:`_measure_from_off`)."""
         if seqs:
             self._serve(seqs[0])  # a batch's rows share one proposer
-        with self._frozen():
-            ks = self._choose_batch(seqs, max_ks)
+        if not any(m > 0 for m in max_ks):
+            # no row may draft (each at its last token): not a choice, so speculation stays on or off as it was;
+            # counted as off, the last step of every wave left the next wave to switch on against the margin
+            ks = [0] * len(seqs)
+        else:
+            with self._frozen():
+                ks = self._choose_batch(seqs, max_ks)
         for seq, k in zip(seqs, ks):
             self._state(seq)["asked"] = k
         return ks

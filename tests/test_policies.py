@@ -488,6 +488,29 @@ def test_cost_model_explores_a_dear_long_pass_once_and_then_stays_off(tiny_targe
     assert chosen[:2] == [MEASURE_K, 4] and set(chosen[2:]) == {0}
 
 
+def test_a_stale_pass_measured_again_as_dear_waits_twice_as_long_before_it_is_explored_again():
+    """Re-measuring a stale estimate guards against one unlucky measurement; a kept policy re-explored a dear
+    pass every REMEASURE_AFTER steps of every wave. Each confirmation doubles the wait; a cheaper pass resets it."""
+    costs = MeasuredCosts()
+
+    def short_passes(steps):
+        for _ in range(steps):
+            costs.observe(2, 0.0, 0.015, 16)
+
+    for n, seconds in [(1, 0.010), (3, 0.015), (9, 0.030)]:
+        costs.observe(n - 1, 0.0, seconds, 16)
+    short_passes(REMEASURE_AFTER)
+    assert not costs.is_fresh(9, 16)
+    costs.observe(8, 0.0, 0.029, 16)  # as dear as it was
+    short_passes(REMEASURE_AFTER)
+    assert costs.is_fresh(9, 16)
+    short_passes(REMEASURE_AFTER)
+    assert not costs.is_fresh(9, 16)
+    costs.observe(8, 0.0, 0.018, 16)  # much cheaper than estimated: the estimate was unlucky, the wait starts over
+    short_passes(REMEASURE_AFTER)
+    assert not costs.is_fresh(9, 16)
+
+
 def test_a_pass_between_two_measured_lately_is_interpolated_not_explored():
     # at 16 rows, passes of 1, 2, 4 and 8 tokens a row measured lately, steeply dearer with each token (a
     # compute-bound step): a 6-token pass lies between two of them, so it is no candidate for exploring at
@@ -671,6 +694,18 @@ def test_a_batch_that_shrinks_keeps_drafting_without_measuring_again(tiny_target
         policy.begin(seq)
     assert drive_batch(policy, seqs, 6, verify)[:3] == [0, MEASURE_K, MEASURE_K]
     assert 0 not in drive_batch(policy, seqs[:13], 3, verify) + drive_batch(policy, seqs[:7], 3, verify)
+
+
+def test_a_step_in_which_no_row_may_draft_leaves_speculation_on(tiny_target):
+    """The last step of a wave (every row at its last token) is no choice of k = 0: a kept policy that was
+    drafting for a 5% gain keeps drafting in the next wave, without the switch-on margin's 10%."""
+    policy = CostModelPolicy(max_gamma=4, prior_alpha=0.5, costs=ControlledCosts(), probe_every=1000)
+    seqs = [seq_state(tiny_target) for _ in range(4)]
+    for seq in seqs:
+        policy.begin(seq)
+    assert max(policy.choose_batch(seqs, [4] * 4)) == 1
+    assert policy.choose_batch(seqs, [0] * 4) == [0] * 4
+    assert max(policy.choose_batch(seqs, [4] * 4)) == 1
 
 
 def test_a_policy_kept_from_one_row_measures_drafting_in_many_rows_before_pricing_it(tiny_target):
