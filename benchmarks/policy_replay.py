@@ -179,7 +179,7 @@ def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens:
         draft_time, pass_time = table.step(B, drafted, backlog)
         clock += draft_time + pass_time + table.per_row_step * B
         step = {"scored": max(drafted) + 1, "tokens": sum(d + 1 for d in drafted), "drafted": sum(drafted),
-                "draft_rows": sum(1 for d in drafted if d), "backlog_rows": backlog,
+                "draft_rows": sum(1 for d in drafted if d), "asked_rows": sum(1 for k in ks if k), "backlog_rows": backlog,
                 "draft_time": seen(draft_time), "verify_time": seen(pass_time), "batch_size": B, "tree_rows": 0,
                 "padded": False}
         share = step["draft_time"] / max(1, sum(1 for k in ks if k))

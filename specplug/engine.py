@@ -406,8 +406,9 @@ class Engine:
         ks = [drafted(r.proposal) for r in self.live]
         shapes = [tree_shape(r.proposal) for r in self.live]
         tokens = B * (max(ks) + 1) if self.rows.padded else sum(k + 1 for k in ks)
+        asked = [r for r in self.live if r.drafting and r.asked > 0]
         step = {"scored": max(ks) + 1, "tokens": tokens, "drafted": sum(ks), "draft_rows": sum(1 for k in ks if k),
-                "backlog_rows": sum(1 for r in self.live if r.drafting and r.asked > 0 and not r.drafted_last),
+                "asked_rows": len(asked), "backlog_rows": sum(1 for r in asked if not r.drafted_last),
                 "draft_time": draft_all, "verify_time": target_time + verify_time, "batch_size": B,
                 "tree_rows": sum(1 for s in shapes if s is not None), "padded": self.rows.padded}
         events, done = [], []

@@ -143,7 +143,7 @@ class MeasuredCosts:
     policy then measures instead of guessing):
 
     - drafting: seconds of a step's drafting as a fixed part plus one per pass (one token in each of
-      ``rows`` rows), by rows drafting; a per-row drafter costs ~rows passes, a batched one
+      ``rows`` rows), by rows asked to draft; a per-row drafter costs ~rows passes, a batched one
       (``propose_batch``) much less. The fixed part is real: a step's first pass also feeds what the target
       accepted and finds the drafter's weights evicted by the target's pass, so a per-token average taken
       at one k overprices longer drafts and underprices shorter ones. Unseen row counts are interpolated
@@ -180,8 +180,8 @@ class MeasuredCosts:
     def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int,
                 scored: int | None = None, draft_clean: bool = True, draft_rows: int = 1,
                 tokens: int | None = None) -> None:
-        """``draft_rows`` rows drafted ``proposed`` tokens in ``scored - 1`` passes (default: one row, ``proposed``
-        passes) taking ``draft_time``; scoring ``scored`` tokens per row for ``batch_size`` rows took
+        """``draft_rows`` rows asked to draft (some may have found nothing to draft) drafted ``proposed`` tokens in
+        ``scored - 1`` passes (default: one row, ``proposed`` passes) taking ``draft_time``; scoring ``scored`` tokens per row for ``batch_size`` rows took
         ``verify_time``, or, with ``tokens``, scoring that many over all rows (ragged rows: a probe's pass, one
         row drafting, costs about a plain step, not a pass of ``scored`` tokens in every row), counted as the
         even pass nearest it. ``draft_clean=False``: the drafting also paid for a backlog (the drafter's first
@@ -258,9 +258,10 @@ class MeasuredCosts:
 
     def _along_n(self, n: int, batch_size: int) -> float | None:
         """Scoring n tokens a row at this batch size from what was measured there alone: measured, between
-        measured lengths interpolated, beyond the longest on the line through the two longest (never below
-        the longest); None below the shortest (a line extrapolated down can reach 0 s) or with too little
-        measured."""
+        measured lengths interpolated, beyond the longest on the line through the two longest, no flatter than
+        the line from the shortest to the longest (two noisy neighbours can lie on a nearly flat line that
+        prices a pass twice as long at hardly more); None below the shortest (a line extrapolated down can
+        reach 0 s) or with too little measured."""
         here = self._measured_at(batch_size)
         if not here or n < here[0][0]:
             return None
@@ -271,8 +272,9 @@ class MeasuredCosts:
             return inside
         if len(here) < 2:
             return None
-        (m0, t0), (m1, t1) = here[-2:]
-        return max(t0 + (t1 - t0) * (n - m0) / (m1 - m0), t1)
+        (m0, t0), (m1, t1), (first, t_first) = *here[-2:], here[0]
+        slope = max((t1 - t0) / (m1 - m0), (t1 - t_first) / (m1 - first))
+        return t1 + slope * (n - m1)
 
     def _across(self, n: int, batch_size: int) -> float | None:
         """Scoring n tokens a row at this batch size from the nearest batch sizes measured: between two
@@ -918,8 +920,9 @@ class CostModelPolicy(GammaPolicy):
                 # that joined brings its whole prompt)
                 clean = step["backlog_rows"] == 0 if "backlog_rows" in step else self._last_rows >= step["draft_rows"]
                 clean = clean and not step.get("tree_rows")  # a tree's drafting is no point on the chain's line
+                # drafting is priced by the rows asked: each ran its drafter, also one that found nothing to draft
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
-                                   step["scored"], clean, step["draft_rows"], step.get("tokens"))
+                                   step["scored"], clean, step.get("asked_rows", step["draft_rows"]), step.get("tokens"))
                 self._last_rows = step["draft_rows"]
                 if step.get("backlog_rows"):
                     self._catch_up = step["draft_time"] / step["backlog_rows"]

@@ -57,6 +57,7 @@ class BatchStep(TypedDict):
     tokens: int  # positions the target's pass scored over all rows (each row its own; padded rows K + 1 each)
     drafted: int  # tokens drafted by all rows
     draft_rows: int  # rows that drafted at least one token
+    asked_rows: int  # rows asked to draft (each ran its drafter, drafting or not: ngram without a match)
     backlog_rows: int  # of the rows asked to draft, those whose drafter did not run the step before
     draft_time: float  # seconds: choosing k and all rows' drafting
     verify_time: float  # seconds: the target's pass and the rule

@@ -727,6 +727,43 @@ def test_a_policy_kept_from_one_row_measures_drafting_in_many_rows_before_pricin
     assert chosen[:3] == [0, MEASURE_K, MEASURE_K] and min(chosen[3:]) > 0
 
 
+def test_drafting_is_priced_by_the_rows_asked_so_a_drafter_that_finds_nothing_in_one_row_is_priced_at_all(tiny_target):
+    """``ngram`` drafts nothing in a row without a match, so all 16 rows rarely draft in the same step. Keyed by
+    the rows that drafted, drafting in every row asked was never measured, and the policy kept drafting
+    MEASURE_K tokens to measure it, whatever the costs and acceptance said."""
+    policy = CostModelPolicy(max_gamma=4, probe_every=1000)
+    seqs = [seq_state(tiny_target) for _ in range(4)]
+    for seq in seqs:
+        policy.begin(seq)
+    chosen, before = [], [0] * 4
+    for _ in range(8):
+        ks = policy.choose_batch(seqs, [4] * 4)
+        drafted = ks[:3] + [0]  # the last row finds no match
+        k = max(drafted)
+        step = {"drafted": sum(drafted), "draft_time": 0.0001 * bool(k), "verify_time": 0.010 + 0.0005 * (k + 1),
+                "batch_size": 4, "scored": k + 1, "tokens": sum(d + 1 for d in drafted),
+                "draft_rows": sum(1 for d in drafted if d), "asked_rows": sum(1 for a in ks if a),
+                "backlog_rows": sum(1 for a, b in zip(ks, before) if a and not b)}
+        before = ks
+        for seq, d in zip(seqs, drafted):
+            seq.scratch["batch_step"] = step
+            policy.update(seq, d, d, 0.0, step["verify_time"], 4)  # every draft accepted: scoring is cheap
+        chosen.append(max(ks))
+    assert chosen[:3] == [0, MEASURE_K, MEASURE_K] and chosen[-1] > MEASURE_K
+
+
+def test_a_long_pass_is_not_priced_on_a_nearly_flat_line_through_two_noisy_neighbours():
+    """Beyond the longest pass measured, scoring is extrapolated no flatter than from the shortest to the longest:
+    two neighbours 0.8 ms apart (noise) priced a pass three times as long at hardly more, and a shrinking
+    batch drafted 8 tokens where 2 paid."""
+    costs = MeasuredCosts()
+    for n, seconds in [(1, 0.0124), (2, 0.0169), (3, 0.0177)]:
+        costs.observe(n - 1, 0.0, seconds, 16)
+    slope = (0.0177 - 0.0124) / 2
+    assert costs.verify_time(9, 16) == pytest.approx(0.0177 + 6 * slope)
+    assert costs.verify_time(9, 15) == pytest.approx(0.0177 + 6 * slope)  # fewer rows: bounded by 16's
+
+
 def test_a_pass_measured_at_a_new_batch_size_is_not_clipped_by_an_estimate_carried_from_others():
     """The first passes measured at a batch size correct what was carried over from the others, so they are
     taken as measured; and a fit the points leave free (one length at one of two batch sizes) is no estimate:
