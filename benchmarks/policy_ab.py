@@ -8,7 +8,7 @@ The load bench runs each cell once per repeat minutes apart, so a slow spell of 
 one cell's runs; here every repeat runs each static γ, a fresh policy and one kept across repeats back to back
 (order rotated per repeat) on the same 16 HumanEval requests × 64 tokens, greedy; with
 ``--without-reach-relaxation`` also a fresh policy whose unasked depths keep their reach (REACH_RELAX = 1, the
-rule before the relaxation); with ``--policy`` a fresh one of each class given (e.g. ``git show
+rule before the relaxation); with ``--policy`` a fresh and a kept one of each class given (e.g. ``git show
 HEAD:specplug/policies.py`` saved with its relative imports made absolute: the rule before a change). With
 ``--save-steps`` it writes every run's steps, the cost table benchmarks/policy_replay.py prices runs by. Prints
 each variant's median
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--without-reach-relaxation", action="store_true", help="also the policy without it")
     ap.add_argument("--policy", action="append", default=[], metavar="PATH.py:CLASS",
                     help="a variant of the policy (e.g. a scratch copy of policies.py before a change) run fresh "
-                         "beside it, built with max_gamma=--max-gamma")
+                         "and kept beside it, built with max_gamma=--max-gamma")
     ap.add_argument("--save-steps", metavar="FILE", help="write every run's steps (costs, rows) as JSON, e.g. for "
                                                           "benchmarks/policy_replay.py's cost table")
     args = ap.parse_args()
@@ -68,7 +68,10 @@ def main() -> None:
     variants.update({"cost-model fresh": None, "cost-model kept": kept})
     if args.without_reach_relaxation:
         variants["no reach relaxation"] = "no-relax"
-    variants.update({f"{spec.rpartition('/')[2]} fresh": load_policy(spec) for spec in args.policy})
+    for spec in args.policy:  # each variant fresh, and one kept across repeats as the landed policy is
+        variant = load_policy(spec)
+        variants.update({f"{spec.rpartition('/')[2]} fresh": variant,
+                         f"{spec.rpartition('/')[2]} kept": variant(max_gamma=args.max_gamma)})
     relax = policies.REACH_RELAX
 
     runs: list[tuple[str, float, int, int, int]] = []  # (variant, seconds, tokens, steps, drafted tokens)
