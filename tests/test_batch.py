@@ -399,12 +399,17 @@ def test_load_bench_reports_goodput_and_latency_per_batch_size(tiny_dirs, tiny_t
     assert len(report["cells"]) == 2 * 5
     for cell in report["cells"]:
         assert cell["goodput_tokens_per_s"] > 0 and cell["token_latency_p99_s"] >= cell["token_latency_p50_s"] > 0
+        assert cell["goodput_by_repeat"] == [cell["goodput_tokens_per_s"]]  # one repeat
         if cell["proposer"]:
             assert cell["greedy_equal_to_target_only"] is True
     recorded = [c for c in report["cells"] if c["policy"] == "recorder"]
     assert all(c["mean_gamma"] <= 1 for c in recorded)
     assert set(report["best"]) == {"1", "3"} and report["settings"]["requests"] == 4
     assert all(c["paired_vs_best_static"] > 0 and c["paired_vs_target_only"] > 0 for c in recorded)
+    by = {(c["variant"], c["batch_size"]): c for c in report["cells"]}
+    for c in recorded:  # the paired ratio follows from the goodputs by repeat the report carries
+        base = by[("target-only", c["batch_size"])]["goodput_by_repeat"]
+        assert c["paired_vs_target_only"] == pytest.approx(c["goodput_by_repeat"][0] / base[0])
     for c in recorded:  # a policy chooses γ for its proposer: it is measured against that proposer's static γ
         own = [o for o in report["cells"] if o["batch_size"] == c["batch_size"] and o["policy"] is None
                and o["proposer"] in (c["proposer"], None)]

@@ -12,7 +12,7 @@ cells alike. Every cell gets its own fresh proposer per run, and whatever policy
 (a fresh one per run, or one kept across runs as a server would keep it: the CLI shows both). A policy's
 cell also reports paired ratios, the median over repeats of its goodput over the best static γ's (and
 target-only's) in the same repeat: they cancel a slow spell that hits one repeat, which a ratio of medians
-does not.
+does not. Every cell carries its goodput by repeat (``goodput_by_repeat``), so they can be checked.
 
 Variants: ``target-only`` (γ = 0, the baseline), then for each proposer spec one variant per entry of
 ``gammas`` (an int γ) and one per entry of ``policies`` (label → factory returning a fresh policy object with
@@ -181,6 +181,8 @@ def _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new
                 "variant": v.label, "proposer": v.spec.label if v.spec else None,
                 "gamma": v.gamma if v.policy is None else None, "policy": v.policy_label,
                 "batch_size": B, "runs": len(entries), "goodput_tokens_per_s": goodput,
+                # by repeat, in run order: what the paired ratios are medians of, for a reader to check them
+                "goodput_by_repeat": [r["goodput"] for r in entries],
                 "speedup_vs_target_only": goodput / base[B] if goodput and base[B] else None,
                 "token_latency_p50_s": _median([r["p50"] for r in entries]),
                 "token_latency_p99_s": _median([r["p99"] for r in entries]),
