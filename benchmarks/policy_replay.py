@@ -5,7 +5,7 @@
     python benchmarks/policy_ab.py --proposer ngram --batch-size 4 --gammas 0,1,2,3,4,6,8 --tokens 128 \\
         --repeats 2 --save-steps steps.json
     python benchmarks/policy_replay.py replay --trace ngram.json --steps steps.json [--noise 0.1] [--seeds 20] \\
-        [--policy scratch.py:MyPolicy]
+        [--policy scratch.py:MyPolicy] [--first 16] [--smooth] [--losses]
 
 On a shared 2-core machine one A/B's repeats move a cell by ±5 points; pricing the passes afterwards
 (policy_ab.py) takes the noise out of the clock, not out of the policy, which reacts to the noisy costs it
@@ -25,7 +25,12 @@ measures. The replay takes both out, so a rule can be judged in seconds and A/B'
   (fresh, and kept over three runs) are priced on that table alone, so two rules compare exactly; ``--noise``
   makes the policy *see* each cost times a log-normal factor (the run stays priced by the table), over
   ``--seeds`` seeds: what reacting to noise costs it. Each static γ's table price is printed beside its
-  measured goodput in the steps file: how far the table is from the machine.
+  measured goodput in the steps file: how far the table is from the machine. ``--first`` replays other
+  requests of a longer trace (its batch size and count from the steps); ``--smooth`` prices passes on a
+  plane (a rare shape's median can hold a pause the policy then steers around or into); ``--losses`` shows
+  where the policy loses against the best static γ, step by step: each step's time beyond what its tokens
+  would have cost at the rate of every row drafting that γ from the same positions, by the step's longest
+  draft (off, 1-2, 3-4, 5+).
 """
 from __future__ import annotations
 
@@ -89,14 +94,22 @@ def record(target, proposer_name: str, prompts: list[str], tokens: int, depth: i
 
 
 class CostTable:
-    """Seconds of each part of a step, fitted to the steps policy_ab.py saved (see the module docstring)."""
+    """Seconds of each part of a step, fitted to the steps policy_ab.py saved (see the module docstring); with
+    ``smooth`` the target's pass from a plane in (positions, rows) instead of per-shape medians."""
 
-    def __init__(self, saved: dict):
+    def __init__(self, saved: dict, smooth: bool = False):
         steps = [s for run in saved["runs"] for s in run["steps"]]
         passes: dict[tuple[int, int], list[float]] = {}
         for s in steps:
             passes.setdefault((s["batch_size"], s["tokens"]), []).append(s["verify_time"])
         self.passes = {shape: statistics.median(v) for shape, v in passes.items()}
+        # a + b·positions + c·rows through the shapes seen 3 times or more: a rare shape's median may hold a
+        # pause (one 15-row pass at 2.5× its neighbours), and a policy steers towards an underpriced shape
+        seen = [(b, n, self.passes[(b, n)]) for (b, n), v in passes.items() if len(v) >= 3]
+        self.plane = None
+        if smooth and len(seen) >= 3:
+            self.plane, *_ = np.linalg.lstsq(np.array([[1.0, n, b] for b, n, _ in seen]),
+                                             np.array([t for *_, t in seen]), rcond=None)
         # the spread of a pass around its shape's median: the noise a policy sees (log scale, robust)
         logs = [math.log(t / self.passes[shape]) for shape, v in passes.items() if len(v) >= 5 for t in v]
         self.spread = 1.4826 * statistics.median(abs(x) for x in logs) if logs else 0.0
@@ -133,9 +146,11 @@ class CostTable:
         return draft, self.pass_time(batch_size, sum(d + 1 for d in drafted))
 
     def pass_time(self, batch_size: int, tokens: int) -> float:
-        """Along positions at this batch size (the nearest measured one if none): the measured medians made
-        non-decreasing (a shape seen once or twice may hold a pause), interpolated between them, below them the
-        fewest's, beyond them on the line through the two longest."""
+        """On the plane where smooth; else along positions at this batch size (the nearest measured one if none):
+        the measured medians made non-decreasing (a shape seen once or twice may hold a pause), interpolated
+        between them, below them the fewest's, beyond them on the line through the two longest."""
+        if self.plane is not None:
+            return max(float(self.plane @ np.array([1.0, tokens, batch_size])), 1e-6)
         sizes = {b for b, _ in self.passes}
         here = min(sizes, key=lambda b: (abs(b - batch_size), -b))
         points = _non_decreasing(sorted((n, t) for (b, n), t in self.passes.items() if b == here))
@@ -151,9 +166,11 @@ class CostTable:
 
 
 def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens: int, name: str,
-           noise: float = 0.0, seed: int = 0) -> float:
+           noise: float = 0.0, seed: int = 0, losses: tuple[int, dict[str, float]] | None = None) -> float:
     """Goodput (tokens per table second) of ``policy`` decoding every traced request ``tokens`` tokens long,
-    ``batch_size`` rows at a time, the policy seeing each cost times exp(noise · N(0, 1))."""
+    ``batch_size`` rows at a time, the policy seeing each cost times exp(noise · N(0, 1)). With ``losses``
+    (γ, totals), each step's seconds beyond what its tokens would have cost at the rate every row drafting γ
+    would have had at the same positions, added to totals by the step's longest draft (:func:`_phase`)."""
     rng = random.Random(seed)
     seen = (lambda s: s * math.exp(noise * rng.gauss(0.0, 1.0))) if noise else (lambda s: s)
     waiting = [SimpleNamespace(seq=SimpleNamespace(scratch={"proposer": name, "max_node_budget": 0}),
@@ -178,6 +195,9 @@ def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens:
         backlog = sum(1 for k, row in zip(ks, live) if k > 0 and not row.drafted_last)
         draft_time, pass_time = table.step(B, drafted, backlog)
         clock += draft_time + pass_time + table.per_row_step * B
+        if losses is not None:
+            _count_loss(losses, live, k_maxes, table, B, max(ks), draft_time + pass_time,
+                        sum(min(a + 1, tokens - row.done) for a, row in zip(accepted, live)), tokens)
         step = {"scored": max(drafted) + 1, "tokens": sum(d + 1 for d in drafted), "drafted": sum(drafted),
                 "draft_rows": sum(1 for d in drafted if d), "asked_rows": sum(1 for k in ks if k), "backlog_rows": backlog,
                 "draft_time": seen(draft_time), "verify_time": seen(pass_time), "batch_size": B, "tree_rows": 0,
@@ -193,6 +213,21 @@ def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens:
             emitted_all += emitted
         live = [row for row in live if row.done < tokens]
     return emitted_all / clock
+
+
+def _phase(k: int) -> str:
+    return "off" if k == 0 else "k 1-2" if k <= 2 else "k 3-4" if k <= 4 else "k 5+"
+
+
+def _count_loss(losses: tuple[int, dict[str, float]], live: list, k_maxes: list[int], table: CostTable, B: int,
+                k: int, seconds: float, emitted: int, tokens: int) -> None:
+    """One step's loss against every row drafting γ from the same positions (no backlog), by phase."""
+    gamma, totals = losses
+    ref = [row.trace[row.done][min(gamma, m) - 1] if min(gamma, m) else (0, 0) for row, m in zip(live, k_maxes)]
+    ref_draft, ref_pass = table.step(B, [d for d, _ in ref], 0)
+    ref_emitted = sum(min(a + 1, tokens - row.done) for (_, a), row in zip(ref, live))
+    ref_seconds = ref_draft + ref_pass + table.per_row_step * B
+    totals[_phase(k)] = totals.get(_phase(k), 0.0) + seconds + table.per_row_step * B - emitted * ref_seconds / ref_emitted
 
 
 def main() -> None:
@@ -218,6 +253,12 @@ def main() -> None:
     rep.add_argument("--policy", action="append", default=[], help="path.py:Class, a variant replayed beside "
                                                                    "cost-model (built with max_gamma=--depth)")
     rep.add_argument("--depth", type=int, default=8)
+    rep.add_argument("--first", type=int, default=0, help="the first traced request replayed (a trace recorded with "
+                                                          "more requests than the steps' run holds several loads)")
+    rep.add_argument("--smooth", action="store_true", help="price passes on a plane in (positions, rows) through "
+                                                           "the shapes seen 3+ times, not per-shape medians")
+    rep.add_argument("--losses", action="store_true", help="also where each policy loses against the best static γ, "
+                                                           "step by step, by the step's longest draft")
     args = ap.parse_args()
     if args.command == "record":
         from specplug.bench.workloads import humaneval_prompts
@@ -231,8 +272,8 @@ def main() -> None:
         traced = json.load(f)
     with open(args.steps) as f:
         saved = json.load(f)
-    table, B, tokens, name = CostTable(saved), saved["batch_size"], saved["tokens"], traced["proposer"]
-    trace = traced["requests"][: saved["requests"]]
+    table, B, tokens, name = CostTable(saved, args.smooth), saved["batch_size"], saved["tokens"], traced["proposer"]
+    trace = traced["requests"][args.first: args.first + saved["requests"]]
     noise = table.spread if args.noise is None else args.noise
     print(f"{name}, B = {B}, {len(trace)} requests × {tokens} tokens; the policy sees costs × exp({noise:.3f}·N(0,1)) "
           f"in the noisy columns; drafting {1e3 * table.catch_up:.2f} ms a row catching up, "
@@ -242,8 +283,9 @@ def main() -> None:
         measured.setdefault(run["variant"], []).append(run["tokens"] / run["seconds"])
     static = {g: replay(FixedPolicy(g), trace, table, B, tokens, name) for g in map(int, args.gammas.split(","))}
     best = max(static.values())
+    best_gamma = max(static, key=static.get)
     for g, rate in static.items():
-        mine = measured.get(f"γ={g}")
+        mine = measured.get(f"γ={g}") if args.first == 0 else None  # the steps' run decoded the first requests
         print(f"γ={g:<16d} {rate:7.1f} tokens/s on the table" + (f"   (measured {statistics.median(mine):.1f})" if mine else ""))
     variants = {"cost-model": CostModelPolicy}
     variants.update({spec: load_policy(spec) for spec in args.policy})
@@ -251,10 +293,16 @@ def main() -> None:
         fresh = replay(cls(max_gamma=args.depth), trace, table, B, tokens, name)
         kept_policy = cls(max_gamma=args.depth)
         kept = [replay(kept_policy, trace, table, B, tokens, name) for _ in range(3)][-1]
-        noisy = [replay(cls(max_gamma=args.depth), trace, table, B, tokens, name, noise, seed) for seed in range(args.seeds)]
+        totals: dict[str, float] = {}
+        noisy = [replay(cls(max_gamma=args.depth), trace, table, B, tokens, name, noise, seed,
+                        (best_gamma, totals) if args.losses else None) for seed in range(args.seeds)]
         print(f"{label:18s} fresh {100 * (fresh / best - 1):+5.1f}%  kept {100 * (kept / best - 1):+5.1f}%  "
               f"noisy fresh median {100 * (statistics.median(noisy) / best - 1):+5.1f}% "
               f"(spread {100 * (min(noisy) / best - 1):+.1f} to {100 * (max(noisy) / best - 1):+.1f}) against the best static γ")
+        if args.losses:  # as a share of the noisy runs' table time
+            seconds = sum(tokens * len(trace) / rate for rate in noisy)
+            print(f"{'':18s} lost against γ={best_gamma} step by step, noisy fresh runs: " + ", ".join(
+                f"{phase} {100 * totals[phase] / seconds:+.1f}%" for phase in ("off", "k 1-2", "k 3-4", "k 5+") if phase in totals))
 
 
 if __name__ == "__main__":

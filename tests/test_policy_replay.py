@@ -57,3 +57,19 @@ def test_a_static_gamma_replayed_over_a_recorded_trace_takes_the_steps_the_engin
                                                                            for s in steps]
         # and the cost-model policy runs through the same loop, its calls as the engine makes them
         assert replayed_steps(replay, CostModelPolicy(max_gamma=4), trace, saved)
+
+
+def test_the_replay_charges_a_static_gamma_nothing_against_itself_but_a_backlog(tiny_target):
+    """``--losses`` prices each step against every row drafting the reference γ from the same positions: the
+    reference replayed against itself loses only what its rows' drafters paid catching up."""
+    replay, ab = load("policy_replay"), load("policy_ab")
+    trace = replay.record(tiny_target, "ngram", PROMPTS, 24, depth=4)
+    steps = engine_steps(tiny_target, 2, 24, 2, ab.StepRecorder)
+    saved = {"batch_size": 2, "tokens": 24, "runs": [{"variant": "γ=2", "seconds": 1.0, "tokens": 96, "steps": steps}]}
+    table = replay.CostTable(saved)
+    for gamma, phase in ((0, "off"), (2, "k 1-2")):
+        totals: dict[str, float] = {}
+        replay.replay(FixedPolicy(gamma), trace, table, 2, 24, "ngram", losses=(gamma, totals))
+        assert phase in totals and all(abs(v) < 1e-12 for p, v in totals.items() if p != phase)  # last tokens: k = 0
+        # each request's drafter catches up once, when it first drafts
+        assert 0.0 <= totals[phase] <= table.catch_up * len(PROMPTS) * (gamma > 0) + 1e-12
