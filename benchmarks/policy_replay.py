@@ -199,7 +199,8 @@ def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens:
             _count_loss(losses, live, k_maxes, table, B, max(ks), draft_time + pass_time,
                         sum(min(a + 1, tokens - row.done) for a, row in zip(accepted, live)), tokens)
         step = {"scored": max(drafted) + 1, "tokens": sum(d + 1 for d in drafted), "drafted": sum(drafted),
-                "draft_rows": sum(1 for d in drafted if d), "asked_rows": sum(1 for k in ks if k), "backlog_rows": backlog,
+                "draft_rows": sum(1 for d in drafted if d), "asked_rows": sum(1 for k in ks if k),
+                "backlog_rows": backlog,
                 "draft_time": seen(draft_time), "verify_time": seen(pass_time), "batch_size": B, "tree_rows": 0,
                 "padded": False}
         share = step["draft_time"] / max(1, sum(1 for k in ks if k))
@@ -227,7 +228,8 @@ def _count_loss(losses: tuple[int, dict[str, float]], live: list, k_maxes: list[
     ref_draft, ref_pass = table.step(B, [d for d, _ in ref], 0)
     ref_emitted = sum(min(a + 1, tokens - row.done) for (_, a), row in zip(ref, live))
     ref_seconds = ref_draft + ref_pass + table.per_row_step * B
-    totals[_phase(k)] = totals.get(_phase(k), 0.0) + seconds + table.per_row_step * B - emitted * ref_seconds / ref_emitted
+    lost = seconds + table.per_row_step * B - emitted * ref_seconds / ref_emitted
+    totals[_phase(k)] = totals.get(_phase(k), 0.0) + lost
 
 
 def main() -> None:
@@ -301,8 +303,9 @@ def main() -> None:
               f"(spread {100 * (min(noisy) / best - 1):+.1f} to {100 * (max(noisy) / best - 1):+.1f}) against the best static γ")
         if args.losses:  # as a share of the noisy runs' table time
             seconds = sum(tokens * len(trace) / rate for rate in noisy)
-            print(f"{'':18s} lost against γ={best_gamma} step by step, noisy fresh runs: " + ", ".join(
-                f"{phase} {100 * totals[phase] / seconds:+.1f}%" for phase in ("off", "k 1-2", "k 3-4", "k 5+") if phase in totals))
+            shares = [f"{phase} {100 * totals[phase] / seconds:+.1f}%"
+                      for phase in ("off", "k 1-2", "k 3-4", "k 5+") if phase in totals]
+            print(f"{'':18s} lost against γ={best_gamma} step by step, noisy fresh runs: " + ", ".join(shares))
 
 
 if __name__ == "__main__":

@@ -180,12 +180,13 @@ class MeasuredCosts:
     def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int,
                 scored: int | None = None, draft_clean: bool = True, draft_rows: int = 1,
                 tokens: int | None = None) -> None:
-        """``draft_rows`` rows asked to draft (some may have found nothing to draft) drafted ``proposed`` tokens in
-        ``scored - 1`` passes (default: one row, ``proposed`` passes) taking ``draft_time``; scoring ``scored`` tokens per row for ``batch_size`` rows took
-        ``verify_time``, or, with ``tokens``, scoring that many over all rows (ragged rows: a probe's pass, one
-        row drafting, costs about a plain step, not a pass of ``scored`` tokens in every row), counted as the
-        even pass nearest it. ``draft_clean=False``: the drafting also paid for a backlog (the drafter's first
-        step after steps without drafting: the prompt, tokens emitted meanwhile), so it is not a drafting cost."""
+        """``draft_rows`` rows asked to draft (some may have found nothing to draft) drafted ``proposed`` tokens
+        in ``scored - 1`` passes (default: one row, ``proposed`` passes) taking ``draft_time``; scoring
+        ``scored`` tokens per row for ``batch_size`` rows took ``verify_time``, or, with ``tokens``, scoring
+        that many over all rows (ragged rows: a probe's pass, one row drafting, costs about a plain step, not a
+        pass of ``scored`` tokens in every row), counted as the even pass nearest it. ``draft_clean=False``: the
+        drafting also paid for a backlog (the drafter's first step after steps without drafting: the prompt,
+        tokens emitted meanwhile), so it is not a drafting cost."""
         scored = scored or proposed + 1
         if proposed and draft_clean and scored > 1:
             passes = scored - 1
@@ -921,8 +922,9 @@ class CostModelPolicy(GammaPolicy):
                 clean = step["backlog_rows"] == 0 if "backlog_rows" in step else self._last_rows >= step["draft_rows"]
                 clean = clean and not step.get("tree_rows")  # a tree's drafting is no point on the chain's line
                 # drafting is priced by the rows asked: each ran its drafter, also one that found nothing to draft
+                rows = step.get("asked_rows", step["draft_rows"])
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
-                                   step["scored"], clean, step.get("asked_rows", step["draft_rows"]), step.get("tokens"))
+                                   step["scored"], clean, rows, step.get("tokens"))
                 self._last_rows = step["draft_rows"]
                 if step.get("backlog_rows"):
                     self._catch_up = step["draft_time"] / step["backlog_rows"]
