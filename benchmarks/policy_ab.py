@@ -69,9 +69,8 @@ def main() -> None:
     if args.without_reach_relaxation:
         variants["no reach relaxation"] = "no-relax"
     for spec in args.policy:  # each variant fresh, and one kept across repeats as the landed policy is
-        variant = load_policy(spec)
-        variants.update({f"{spec.rpartition('/')[2]} fresh": variant,
-                         f"{spec.rpartition('/')[2]} kept": variant(max_gamma=args.max_gamma)})
+        variant, label = load_policy(spec), spec.rpartition("/")[2]
+        variants.update({f"{label} fresh": variant, f"{label} kept": variant(max_gamma=args.max_gamma)})
     relax = policies.REACH_RELAX
 
     runs: list[tuple[str, float, int, int, int]] = []  # (variant, seconds, tokens, steps, drafted tokens)

@@ -203,7 +203,7 @@ def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens:
                 "backlog_rows": backlog,
                 "draft_time": seen(draft_time), "verify_time": seen(pass_time), "batch_size": B, "tree_rows": 0,
                 "padded": False}
-        share = step["draft_time"] / max(1, sum(1 for k in ks if k))
+        share = step["draft_time"] / max(1, step["asked_rows"])
         for row, k, d, a in zip(live, ks, drafted, accepted):
             row.drafted_last = k > 0
             row.seq.scratch["batch_step"], row.seq.scratch["drafted_tree"] = step, None

@@ -922,9 +922,9 @@ class CostModelPolicy(GammaPolicy):
                 clean = step["backlog_rows"] == 0 if "backlog_rows" in step else self._last_rows >= step["draft_rows"]
                 clean = clean and not step.get("tree_rows")  # a tree's drafting is no point on the chain's line
                 # drafting is priced by the rows asked: each ran its drafter, also one that found nothing to draft
-                rows = step.get("asked_rows", step["draft_rows"])
+                asked = step.get("asked_rows", step["draft_rows"])
                 self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
-                                   step["scored"], clean, rows, step.get("tokens"))
+                                   step["scored"], clean, asked, step.get("tokens"))
                 self._last_rows = step["draft_rows"]
                 if step.get("backlog_rows"):
                     self._catch_up = step["draft_time"] / step["backlog_rows"]
