@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -347,13 +348,18 @@ class MeasuredCosts:
         a CPU with bf16 products 9 tokens cost ~1.3 one-token steps, and some shapes hit faster kernels than
         shorter ones). Elsewhere :meth:`verify_time`."""
         if not self.is_fresh(n, batch_size, stale_after):
-            fresh = [(m, t) for m, t in self._measured_at(batch_size) if self.is_fresh(m, batch_size, stale_after)]
+            fresh = self._fresh_at(batch_size, stale_after)
             shorter = [(m, t) for m, t in fresh if m < n]
             if shorter and any(m > n for m, _ in fresh):
                 return _between(fresh, n)  # between two passes measured lately: no need to explore it
             if shorter and n <= 2 * shorter[-1][0]:
                 return shorter[-1][1]
         return self.verify_time(n, batch_size)
+
+    @_memoised
+    def _fresh_at(self, batch_size: int, stale_after: int) -> list[tuple[int, float]]:
+        """:meth:`_measured_at` less the passes not measured within ``stale_after`` steps."""
+        return [(m, t) for m, t in self._measured_at(batch_size) if self.is_fresh(m, batch_size, stale_after)]
 
     @_memoised
     def verify_curve(self, upto: int, batch_size: int, stale_after: int | None = None) -> tuple[float | None, ...]:
@@ -439,12 +445,13 @@ def _reach_upto(reach: tuple[float, ...], cap: int) -> tuple[float, ...]:
 def _step_tokens(acceptances: list["Acceptance | float"], max_ks: list[int], cap: int) -> list[float]:
     """Expected tokens all rows emit in a step drafting k = 0..cap (each row capped by its max_k), computed
     once for a choice's two passes over k."""
-    tokens = [0.0] * (cap + 1)
+    rows = []
     for acceptance, m in zip(acceptances, max_ks):
         row = Acceptance.of(acceptance).expected_upto(min(cap, m))
         row += [row[-1]] * (cap + 1 - len(row))  # asked beyond its max_k, a row drafts its max_k
-        tokens = [t + r for t, r in zip(tokens, row)]
-    return tokens
+        rows.append(row)
+    # summed row by row in row order (as a running total would), k by k
+    return [sum(column) for column in zip(*rows)] if rows else [0.0] * (cap + 1)
 
 
 def _step_positions(acceptances: list["Acceptance | float"], max_ks: list[int], cap: int,
@@ -453,13 +460,16 @@ def _step_positions(acceptances: list["Acceptance | float"], max_ks: list[int], 
     by its max_k): a proposer may draft fewer than asked (``ngram`` no further than its match), and the pass
     scores what was drafted. Ragged rows: the rows' mean (a pass is priced by its positions over all rows);
     ``padded`` rows: 1 + the expected longest draft, which every row is scored over."""
-    reaches = [Acceptance.of(a).reach_upto(min(cap, m)) for a, m in zip(acceptances, max_ks)]
+    # each row's reach by depth, 0 beyond its max_k (it drafts no deeper: adds nothing, exactly)
+    reaches = [[*Acceptance.of(a).reach_upto(min(cap, m)), *[0.0] * (cap - min(cap, m))]
+               for a, m in zip(acceptances, max_ks)]
     # per depth d + 1: the positions per row it adds to the pass when asked for
     if padded:  # scored in every row if any row drafts it
-        at_depth = [1 - math.prod(1 - reach[d] for reach in reaches if len(reach) > d) for d in range(cap)]
+        at_depth = [1 - math.prod(1 - r for r in column) for column in zip(*reaches)]
     else:
-        at_depth = [sum(reach[d] for reach in reaches if len(reach) > d) / max(len(reaches), 1) for d in range(cap)]
-    return [1.0 + sum(at_depth[:k]) for k in range(cap + 1)]
+        at_depth = [sum(column) / max(len(reaches), 1) for column in zip(*reaches)]
+    at_depth += [0.0] * (cap - len(at_depth))  # no rows
+    return [1.0, *(1.0 + added for added in itertools.accumulate(at_depth))]
 
 
 def _between_passes(scoring: tuple[float | None, ...], positions: float) -> float | None:
@@ -559,6 +569,7 @@ class CostModelPolicy(GammaPolicy):
         self.alpha_by_proposer: dict[str, float] = {}
         self.acceptance_by_proposer: dict[str, Acceptance] = {}
         self._reach: dict[str, list[list[float]]] = {}  # per proposer and depth: decayed [drafted, asked]
+        self._reach_rates: dict[str, tuple[float, ...]] = {}  # their ratios, until the next count
         # decayed [accepted, tried] per proposer: all positions, first positions, later positions
         self._proposer_sums: dict[str, dict[str, list[float]]] = {}
 
@@ -615,14 +626,19 @@ class CostModelPolicy(GammaPolicy):
     def _acceptance(self, seq) -> Acceptance:
         state = self._state(seq)
         (first, tried), (then, later) = state["first"], state["then"]
-        reach = self._reach.get(seq.scratch.get("proposer", ""), [])
-        return Acceptance(first / tried, then / later, tuple(got / asked for got, asked in reach))
+        proposer = seq.scratch.get("proposer", "")
+        reach = self._reach_rates.get(proposer)
+        if reach is None:  # every row of a batch shares it: computed once a step, not once a row
+            reach = self._reach_rates[proposer] = tuple(got / asked for got, asked in self._reach.get(proposer, []))
+        return Acceptance(first / tried, then / later, reach)
 
     def _count_reach(self, seq, asked: int, proposed: int) -> None:
         """How far the proposer drafted against how far it was asked, per depth (decayed); a depth not asked
         for relaxes back towards always reaching (its seed), so a few short drafts cannot keep k below it
         for good: only asking that deep again would count it (docs/policies.md)."""
-        reach = self._reach.setdefault(seq.scratch.get("proposer", ""), [])
+        proposer = seq.scratch.get("proposer", "")
+        self._reach_rates.pop(proposer, None)
+        reach = self._reach.setdefault(proposer, [])
         reach += [[1.0, 1.0] for _ in range(asked - len(reach))]  # seeded as always reaching
         for d in range(asked):
             _count(reach[d], proposed > d, 1.0, PROPOSER_DECAY)
