@@ -264,19 +264,7 @@ class MeasuredCosts:
         the line from the shortest to the longest (two noisy neighbours can lie on a nearly flat line that
         prices a pass twice as long at hardly more); None below the shortest (a line extrapolated down can
         reach 0 s) or with too little measured."""
-        here = self._measured_at(batch_size)
-        if not here or n < here[0][0]:
-            return None
-        if n == here[0][0]:
-            return here[0][1]
-        inside = _between(here, n)
-        if inside is not None:
-            return inside
-        if len(here) < 2:
-            return None
-        (m0, t0), (m1, t1), (first, t_first) = *here[-2:], here[0]
-        slope = max((t1 - t0) / (m1 - m0), (t1 - t_first) / (m1 - first))
-        return t1 + slope * (n - m1)
+        return _along(self._measured_at(batch_size), n)
 
     def _across(self, n: int, batch_size: int) -> float | None:
         """Scoring n tokens a row at this batch size from the nearest batch sizes measured: between two
@@ -347,14 +335,8 @@ class MeasuredCosts:
         most twice as long as it, that one's cost (scoring more never costs less, and may cost hardly more: on
         a CPU with bf16 products 9 tokens cost ~1.3 one-token steps, and some shapes hit faster kernels than
         shorter ones). Elsewhere :meth:`verify_time`."""
-        if not self.is_fresh(n, batch_size, stale_after):
-            fresh = self._fresh_at(batch_size, stale_after)
-            shorter = [(m, t) for m, t in fresh if m < n]
-            if shorter and any(m > n for m, _ in fresh):
-                return _between(fresh, n)  # between two passes measured lately: no need to explore it
-            if shorter and n <= 2 * shorter[-1][0]:
-                return shorter[-1][1]
-        return self.verify_time(n, batch_size)
+        hope = None if self.is_fresh(n, batch_size, stale_after) else _hope(self._fresh_at(batch_size, stale_after), n)
+        return self.verify_time(n, batch_size) if hope is None else hope
 
     @_memoised
     def _fresh_at(self, batch_size: int, stale_after: int) -> list[tuple[int, float]]:
@@ -366,8 +348,12 @@ class MeasuredCosts:
         """:meth:`verify_time` at this batch size for n = 0..upto, index n (0: None); with ``stale_after``,
         :meth:`hopeful_verify_time`. One choice prices every k from such a curve."""
         if stale_after is None:
-            return (None, *(self.verify_time(n, batch_size) for n in range(1, upto + 1)))
-        return (None, *(self.hopeful_verify_time(n, batch_size, stale_after) for n in range(1, upto + 1)))
+            here = self._measured_at(batch_size)  # where measured here, verify_time is _along_n: skip the detour
+            along = [_along(here, n) for n in range(1, upto + 1)]
+            return (None, *(t if t is not None else self.verify_time(n, batch_size) for n, t in enumerate(along, 1)))
+        curve, fresh = self.verify_curve(upto, batch_size), self._fresh_at(batch_size, stale_after)
+        hopes = [None if self.is_fresh(n, batch_size, stale_after) else _hope(fresh, n) for n in range(1, upto + 1)]
+        return (None, *(curve[n] if hope is None else hope for n, hope in enumerate(hopes, 1)))
 
     @_memoised
     def draft_curve(self, upto: int, rows: int) -> tuple[float | None, ...]:
@@ -382,6 +368,35 @@ def _non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     for i in range(len(points) - 2, -1, -1):
         points[i] = (points[i][0], min(points[i][1], points[i + 1][1]))
     return points
+
+
+def _along(here: list[tuple[int, float]], n: int) -> float | None:
+    """:meth:`MeasuredCosts._along_n` on the (n, seconds) measured at one batch size, sorted and made
+    non-decreasing (for a whole curve, the points are looked up once)."""
+    if not here or n < here[0][0]:
+        return None
+    if n == here[0][0]:
+        return here[0][1]
+    inside = _between(here, n)
+    if inside is not None:
+        return inside
+    if len(here) < 2:
+        return None
+    (m0, t0), (m1, t1), (first, t_first) = *here[-2:], here[0]
+    slope = max((t1 - t0) / (m1 - m0), (t1 - t_first) / (m1 - first))
+    return t1 + slope * (n - m1)
+
+
+def _hope(fresh: list[tuple[int, float]], n: int) -> float | None:
+    """The cheapest plausible cost of scoring n tokens a row, from the passes measured lately (``fresh``,
+    sorted): between two interpolated; beyond the longest shorter one, and at most twice its length, its
+    cost; else None (see :meth:`MeasuredCosts.hopeful_verify_time`)."""
+    shorter = [(m, t) for m, t in fresh if m < n]
+    if shorter and any(m > n for m, _ in fresh):
+        return _between(fresh, n)  # between two passes measured lately: no need to explore it
+    if shorter and n <= 2 * shorter[-1][0]:
+        return shorter[-1][1]
+    return None
 
 
 def _between(points: list[tuple[int, float]], x: float) -> float | None:
