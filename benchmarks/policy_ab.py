@@ -23,6 +23,10 @@ At every B it also prices the target's passes by a table: each step's pass (rule
 runs of every pass with the same rows and positions scored, the rest of each run (drafting, catching up, choosing,
 updating, prefill) as measured. The target's passes are most of a step and the part slow spells stretch most, so
 this takes most of the noise out while keeping every cost a policy's choices cause.
+
+Each variant's own calls (``choose``/``choose_batch`` and ``update``) are timed too: milliseconds a step and the
+share of its run. A static γ spends next to nothing there, so for the cost-model policy that share is part of
+its gap to the best static γ whatever it chooses.
 """
 from __future__ import annotations
 
@@ -76,6 +80,7 @@ def main() -> None:
     runs: list[tuple[str, float, int, int, int]] = []  # (variant, seconds, tokens, steps, drafted tokens)
     passes: list[list[tuple[int, int, float]]] = []  # per run, its steps' (rows, positions scored, seconds)
     saved: list[dict] = []  # per run, what --save-steps writes
+    own: dict[str, list[tuple[float, float]]] = {}  # per variant and run: the policy's own seconds a step, share
 
     def run(name: str) -> float:
         gamma = variants[name]
@@ -95,12 +100,15 @@ def main() -> None:
         runs.append((name, seconds, tokens, sum(r.stats.target_calls for r in results),
                      sum(r.stats.draft_tokens for r in results)))
         passes.append(policy.passes)
-        saved.append({"variant": name, "seconds": seconds, "tokens": tokens, "steps": policy.steps})
+        own.setdefault(name, []).append((policy.policy_time / max(len(policy.passes), 1), policy.policy_time / seconds))
+        saved.append({"variant": name, "seconds": seconds, "tokens": tokens, "steps": policy.steps,
+                      "policy_time": policy.policy_time})
         return tokens / seconds
 
     for name in variants:  # warm-up: every shape once, and the kept policy's first run
         run(name)
     del runs[:], passes[:], saved[:]
+    own.clear()
     names = list(variants)
     goodput: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(args.repeats):
@@ -113,6 +121,10 @@ def main() -> None:
         paired = statistics.median(g / b for g, b in zip(goodput[name], best))
         print(f"{name:18s} {statistics.median(goodput[name]):7.0f} tokens/s   {100 * (paired - 1):+5.1f}% against the "
               f"best static γ, paired by repeat")
+    print("the policy's own calls (choosing and updating), median over repeats:")
+    for name in names:
+        print(f"{name:18s} {1e3 * statistics.median(t for t, _ in own[name]):6.3f} ms a step, "
+              f"{100 * statistics.median(share for _, share in own[name]):4.1f}% of a run")
     if args.batch_size == 1:
         print_priced_by_one_line(runs, static)
     print_priced_by_pass_table(runs, passes, static)
@@ -136,13 +148,25 @@ def load_policy(spec: str) -> type:
 class StepRecorder:
     """``policy`` as it is (choices, updates, ``choose_batch`` where it has one), recording what each step's
     target pass scored and cost: ``passes``, (rows, positions, seconds) per step; and in a batch each step's
-    whole :class:`~specplug.types.BatchStep` (``steps``)."""
+    whole :class:`~specplug.types.BatchStep` (``steps``); and the seconds the policy's own calls took
+    (``policy_time``: choosing and updating, which a static γ hardly spends)."""
 
     def __init__(self, policy):
         self.policy, self.passes, self.steps, self._last = policy, [], [], None
+        self.policy_time = 0.0
 
     def __getattr__(self, name):
-        return getattr(self.policy, name)
+        found = getattr(self.policy, name)
+        if name not in ("choose", "choose_batch"):
+            return found
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return found(*args)
+            finally:
+                self.policy_time += time.perf_counter() - t0
+        return timed
 
     def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
         step = seq.scratch.get("batch_step")
@@ -154,7 +178,9 @@ class StepRecorder:
             self.steps.append(dict(step))
         update = getattr(self.policy, "update", None)
         if update is not None:
+            t0 = time.perf_counter()
             update(seq, proposed, accepted, draft_time, verify_time, batch_size)
+            self.policy_time += time.perf_counter() - t0
 
 
 def print_priced_by_pass_table(runs: list[tuple[str, float, int, int, int]], passes: list[list[tuple[int, int, float]]],

@@ -3,6 +3,7 @@ takes the steps the engine took and drafts the tokens it drafted, so a policy's 
 would have had, priced by a fixed table."""
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 import specplug
@@ -73,3 +74,28 @@ def test_the_replay_charges_a_static_gamma_nothing_against_itself_but_a_backlog(
         assert phase in totals and all(abs(v) < 1e-12 for p, v in totals.items() if p != phase)  # last tokens: k = 0
         # each request's drafter catches up once, when it first drafts
         assert 0.0 <= totals[phase] <= table.catch_up * len(PROMPTS) * (gamma > 0) + 1e-12
+
+
+def test_the_ab_recorder_times_the_policys_own_calls_and_only_them(tiny_target):
+    ab = load("policy_ab")
+
+    class Slow(FixedPolicy):
+        """γ = 2, each choice and each update taking 2 ms."""
+        calls = 0
+
+        def choose(self, seq, max_k):
+            Slow.calls += 1
+            time.sleep(0.002)
+            return super().choose(seq, max_k)
+
+        def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
+            Slow.calls += 1
+            time.sleep(0.002)
+
+    recorder = ab.StepRecorder(Slow(2))
+    start = time.perf_counter()
+    generate_batch(tiny_target, specplug.get_proposer("ngram", target=tiny_target), PROMPTS, max_new_tokens=12,
+                   sampling=[specplug.GREEDY] * len(PROMPTS), num_speculative_tokens=recorder, max_batch_size=2)
+    wall = time.perf_counter() - start
+    assert Slow.calls > 0
+    assert 0.002 * Slow.calls <= recorder.policy_time < 0.002 * Slow.calls + 0.5 * (wall - 0.002 * Slow.calls)
