@@ -78,6 +78,10 @@ CONFIRMED, PATIENCE_MAX = 0.9, 16
 # drafted tokens a row in the two measuring steps: 2, not 1, so the drafting line's first point already
 # carries part of its slope (docs/policies.md, "Why it is built this way")
 MEASURE_K = 2
+# a choice that drafts is priced afresh at least every this many steps; in between the same rows keep their k.
+# Pricing costs 0.25-0.6 ms a step (2-4% of a run, docs/policies.md), and in the replay a choice kept one step
+# chose as well as one priced every step
+REPRICE_EVERY = 2
 PROPOSER_DECAY = 0.95  # weight of older steps in a proposer's running rates (across its requests)
 REACH_RELAX = 0.99  # per step, a depth the policy did not ask for moves its reach this much less from 1
 LINE_DECAY = 0.95  # weight of older drafting steps in the fixed + per-pass fit (slower than α's: k must vary)
@@ -180,14 +184,15 @@ class MeasuredCosts:
 
     def observe(self, proposed: int, draft_time: float, verify_time: float, batch_size: int,
                 scored: int | None = None, draft_clean: bool = True, draft_rows: int = 1,
-                tokens: int | None = None) -> None:
+                tokens: int | None = None) -> bool:
         """``draft_rows`` rows asked to draft (some may have found nothing to draft) drafted ``proposed`` tokens
         in ``scored - 1`` passes (default: one row, ``proposed`` passes) taking ``draft_time``; scoring
         ``scored`` tokens per row for ``batch_size`` rows took ``verify_time``, or, with ``tokens``, scoring
         that many over all rows (ragged rows: a probe's pass, one row drafting, costs about a plain step, not a
         pass of ``scored`` tokens in every row), counted as the even pass nearest it. ``draft_clean=False``: the
         drafting also paid for a backlog (the drafter's first step after steps without drafting: the prompt,
-        tokens emitted meanwhile), so it is not a drafting cost."""
+        tokens emitted meanwhile), so it is not a drafting cost. Returns whether the pass was news: not
+        measured lately at this batch size (never, or stale)."""
         scored = scored or proposed + 1
         if proposed and draft_clean and scored > 1:
             passes = scored - 1
@@ -205,7 +210,8 @@ class MeasuredCosts:
             # must not set k for the rest of a batch. Only an estimate from this batch size's own measurements
             # may clip: one carried over from other batch sizes is what this measurement corrects.
             verify_time = min(verify_time, 2 * expected)
-        if key in self.verify and not self.is_fresh(*key):
+        news = not self.is_fresh(*key)
+        if key in self.verify and news:
             confirmed = verify_time >= CONFIRMED * self.verify[key]
             self.patience[key] = min(2 * self.patience.get(key, 1), PATIENCE_MAX) if confirmed else 1
         # an old estimate weighs less against a new measurement (one per 8 steps it sat unmeasured)
@@ -214,6 +220,7 @@ class MeasuredCosts:
         for other in self.verify:
             if other[1] == batch_size:
                 self.age[other] = 0 if other == key else self.age.get(other, 0) + 1
+        return news
 
     def _fit_drafting(self) -> None:
         """Each row count's line; one whose passes have not varied enough to solve takes its fixed share from
@@ -527,7 +534,7 @@ def _ewma(old: float, new: float, decay: float) -> float:
 # what CostModelPolicy measures of one proposer (kept apart per proposer: CostModelPolicy._serve)
 PER_PROPOSER = ("costs", "_batch_idle", "_batch_wait", "_batch_k", "_last_step", "_last_rows", "_probe_row",
                 "_probing", "_empty_row", "_padded", "_catch_up", "_probe_all", "_probe_step", "_probe_accepted",
-                "budgets")
+                "budgets", "_reuse_left", "_reuse_rows")
 
 
 class CostModelPolicy(GammaPolicy):
@@ -587,6 +594,7 @@ class CostModelPolicy(GammaPolicy):
         self._reach_rates: dict[str, tuple[float, ...]] = {}  # their ratios, until the next count
         # decayed [accepted, tried] per proposer: all positions, first positions, later positions
         self._proposer_sums: dict[str, dict[str, list[float]]] = {}
+        self._choices = 0  # choices priced so far: each row's state names the one its k came from
 
     def _start_measuring(self, costs: MeasuredCosts) -> None:
         """This proposer's measurements (:data:`PER_PROPOSER`), from nothing."""
@@ -604,6 +612,7 @@ class CostModelPolicy(GammaPolicy):
         self._probe_step: dict | None = None  # that probe's step, until the next choice weighs it
         self._probe_accepted = 0  # drafts that probe's rows had accepted
         self.budgets = NodeBudgets()  # tree-drafting proposers: the node budget (node_budgets)
+        self._reuse_left, self._reuse_rows = 0, 0  # steps the last choice may still be kept, for how many rows
 
     def _serve(self, seq) -> None:
         """Measure for ``seq``'s proposer. Drafting costs, scoring costs and whether speculation is off belong to
@@ -787,21 +796,50 @@ class CostModelPolicy(GammaPolicy):
 
     def choose(self, seq, max_k):
         self._serve(seq)
+        kept = self._kept_choice([seq], [max_k])
+        if kept is not None:
+            self._state(seq)["asked"] = kept[0]
+            return kept[0]
         with self._frozen():
             return self._choose(seq, max_k)
 
     def _choose(self, seq, max_k):
         state = self._state(seq)
         batch_size = seq.scratch.get("batch_size", 1)
-        k = self.best_k(self._acceptance(seq), max_k, batch_size, state.get("k", 1) == 0)
+        k, _ = self._best([self._acceptance(seq)], [max_k], batch_size, state.get("k", 1) == 0)
+        measuring = k < 0
+        k = min(MEASURE_K, max_k) if measuring else k
         can_probe = k == 0 and self._could_pay([max_k], batch_size)
         k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, can_probe)
         state["probing"] = can_probe and k > 0
         state["k"] = 0 if state["probing"] else k  # the choice, a probe being none: speculation stays off
-        if seq.scratch.get("max_node_budget"):
+        tree = bool(seq.scratch.get("max_node_budget"))
+        if tree:
             k = self._with_budget([seq], [max_k], batch_size, [k], state["probing"])[0]
+        self._keep_choice([seq], [k], not (measuring or state["probing"] or tree))
         state["asked"] = k
         return k
+
+    def _kept_choice(self, seqs, max_ks: list[int]) -> list[int] | None:
+        """The last choice's k for each row (capped by its max_k) while it may be kept: for REPRICE_EVERY - 1
+        steps after it was priced, and only for the very rows it was priced for."""
+        if (self._reuse_left <= 0 or len(seqs) != self._reuse_rows
+                or any(self._state(s).get("choice") != self._choices for s in seqs)):
+            return None
+        self._reuse_left -= 1
+        return [min(self._state(s)["chosen"], m) for s, m in zip(seqs, max_ks)]
+
+    def _keep_choice(self, seqs, ks: list[int], keep: bool) -> None:
+        """Count a priced choice and let its rows keep their k for the next REPRICE_EVERY - 1 steps where
+        ``keep``: it drafts, and neither measures nor probes nor drafts trees (those steps' choices follow from
+        what they find). A pass measured for the first time, or again after a while, ends the keeping
+        (:meth:`update`): a choice priced on an estimate is decided again on the measurement."""
+        self._choices += 1
+        keep = keep and any(ks)
+        self._reuse_left, self._reuse_rows = (REPRICE_EVERY - 1, len(seqs)) if keep else (0, 0)
+        for seq, k in zip(seqs, ks):
+            state = self._state(seq)
+            state["choice"], state["chosen"] = self._choices, k
 
     def _with_budget(self, seqs, max_ks: list[int], batch_size: int, ks: list[int], probing: bool) -> list[int]:
         """Each row's k after choosing the step's node budget (written to NODE_BUDGET; 0: chains) for a
@@ -833,6 +871,8 @@ class CostModelPolicy(GammaPolicy):
             # no row may draft (each at its last token): not a choice, so speculation stays on or off as it was;
             # counted as off, the last step of every wave left the next wave to switch on against the margin
             ks = [0] * len(seqs)
+        elif (kept := self._kept_choice(seqs, list(max_ks))) is not None:
+            ks = kept
         else:
             with self._frozen():
                 ks = self._choose_batch(seqs, max_ks)
@@ -848,6 +888,7 @@ class CostModelPolicy(GammaPolicy):
         if k < 0:  # measuring
             self._batch_k = MEASURE_K
             ks = [min(MEASURE_K, m) for m in max_ks]
+            self._keep_choice(seqs, ks, False)
             return self._with_budget(seqs, max_ks, len(seqs), ks, True) if tree else ks
         idle = k == 0
         # a probe that measures every row may check passes not measured lately; one in one row cannot (it
@@ -865,6 +906,7 @@ class CostModelPolicy(GammaPolicy):
             ks = self._one_row(seqs, [a.first for a in acceptances], max_ks)
         else:
             ks = trimmed if trimmed is not None else [min(k, m) for m in max_ks]
+        self._keep_choice(seqs, ks, not (self._probing or tree))
         return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
 
     def _trimmed(self, rows: list[tuple[list[float], list[float]]], ks: list[int], rate: float, batch_size: int,
@@ -954,8 +996,9 @@ class CostModelPolicy(GammaPolicy):
                 clean = clean and not step.get("tree_rows")  # a tree's drafting is no point on the chain's line
                 # drafting is priced by the rows asked: each ran its drafter, also one that found nothing to draft
                 asked = step.get("asked_rows", step["draft_rows"])
-                self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
-                                   step["scored"], clean, asked, step.get("tokens"))
+                if self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
+                                      step["scored"], clean, asked, step.get("tokens")):
+                    self._reuse_left = 0
                 self._last_rows = step["draft_rows"]
                 if step.get("backlog_rows"):
                     self._catch_up = step["draft_time"] / step["backlog_rows"]
@@ -969,8 +1012,9 @@ class CostModelPolicy(GammaPolicy):
             if step is self._probe_step:
                 self._probe_accepted += accepted
         else:
-            self.costs.observe(proposed, draft_time, verify_time, batch_size, None,
-                               state.get("drafted", 0) > 0 and shape is None)
+            if self.costs.observe(proposed, draft_time, verify_time, batch_size, None,
+                                  state.get("drafted", 0) > 0 and shape is None):
+                self._reuse_left = 0
             state["drafted"] = proposed
             if state.pop("probing", False) and proposed == 0:  # probe again next step
                 state["wait"] = max(self.probe_every, state["wait"] // 2)

@@ -4,8 +4,8 @@ import torch
 
 import specplug
 from specplug.plugins import UnknownProposerError, get_policy, list_policies
-from specplug.policies import (MEASURE_K, REMEASURE_AFTER, Acceptance, CostModelPolicy, GammaPolicy, HeuristicPolicy,
-                               MeasuredCosts, _step_positions)
+from specplug.policies import (MEASURE_K, REMEASURE_AFTER, REPRICE_EVERY, Acceptance, CostModelPolicy, GammaPolicy,
+                               HeuristicPolicy, MeasuredCosts, _step_positions)
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
 from specplug.types import Proposal, Proposer
 
@@ -430,12 +430,12 @@ def test_both_acceptance_rates_age_over_the_steps_that_did_not_ask(tiny_target):
 def test_cost_model_switches_back_on_only_for_a_clear_gain(tiny_target):
     # α = 0.2 with ControlledCosts: drafting one token is predicted 5% faster than not drafting
     policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=1000)
-    seq = seq_state(tiny_target)
-    seq.scratch["policy:cost-model"] = {"successes": 0.2, "trials": 1.0, "first": [0.2, 1.0], "then": [0.2, 1.0],
-                                        "idle": 0, "wait": 1000}
-    assert policy.choose(seq, 4) == 1  # speculating already: keep the better k
-    seq.scratch["policy:cost-model"].update(idle=3, k=0)
-    assert policy.choose(seq, 4) == 0  # off: 5% does not repay every drafter's catching up
+    rates = {"successes": 0.2, "trials": 1.0, "first": [0.2, 1.0], "then": [0.2, 1.0], "wait": 1000}
+    on, off = seq_state(tiny_target), seq_state(tiny_target)
+    on.scratch["policy:cost-model"] = {**rates, "idle": 0}
+    assert policy.choose(on, 4) == 1  # speculating already: keep the better k
+    off.scratch["policy:cost-model"] = {**rates, "idle": 3, "k": 0}
+    assert policy.choose(off, 4) == 0  # off: 5% does not repay every drafter's catching up
     assert CostModelPolicy(max_gamma=4, costs=ControlledCosts(), switch_on_margin=0.0).best_k(0.2, 4, off=True) == 1
 
 
@@ -1005,3 +1005,38 @@ def test_what_an_acceptance_returns_is_the_callers_to_change():
     reach[0] = 0.0
     assert acceptance.expected_upto(4) == expected[:5] and len(acceptance.expected_upto(4)) == 5
     assert acceptance.reach_upto(4) == [1.0, 0.5, 1.0, 1.0]
+
+
+def test_a_drafting_choice_is_kept_by_the_same_rows_then_priced_again(tiny_target):
+    # pricing a choice costs 2-4% of a run (docs/policies.md): the same rows keep their k for the next
+    # REPRICE_EVERY - 1 steps, each capped by its own budget; a row leaving or joining is priced at once
+    assert REPRICE_EVERY == 2
+    policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=1000)
+    seqs = [seq_state(tiny_target) for _ in range(4)]
+    priced, choose_batch = [], policy._choose_batch
+    policy._choose_batch = lambda s, m: priced.append(len(s)) or choose_batch(s, m)
+    first = policy.choose_batch(seqs, [4] * 4)
+    assert any(first)
+    assert policy.choose_batch(seqs, [4, 4, 1, 4]) == [min(k, m) for k, m in zip(first, [4, 4, 1, 4])]
+    assert priced == [4]
+    policy.choose_batch(seqs, [4] * 4)
+    assert priced == [4, 4]  # REPRICE_EVERY steps on
+    policy.choose_batch(seqs[:3], [4] * 3)
+    assert priced == [4, 4, 3]  # a row left: at once
+
+
+def test_a_kept_choice_is_priced_again_once_a_pass_is_measured_anew(tiny_target):
+    # a choice made on an estimated pass cost is decided again on the measurement, not kept
+    class EveryPassNew(ControlledCosts):
+        def observe(self, *args):
+            return True
+
+    for costs, times_priced in ((ControlledCosts(), 1), (EveryPassNew(), 2)):
+        policy = CostModelPolicy(max_gamma=4, costs=costs, probe_every=1000)
+        seq, priced, choose = seq_state(tiny_target), [], policy._choose
+        policy._choose = lambda s, m: priced.append(m) or choose(s, m)
+        k = policy.choose(seq, 4)
+        assert k > 0
+        policy.update(seq, k, k, 0.004, 0.012)
+        policy.choose(seq, 4)
+        assert len(priced) == times_priced
