@@ -676,8 +676,13 @@ class CostModelPolicy(GammaPolicy):
     def best_k(self, acceptance: Acceptance | float, max_k: int, batch_size: int = 1, off: bool = False) -> int:
         """The k one request with this acceptance (an i.i.d. α, or two rates) drafts now; ``off``: speculation
         is off (the last choice was no drafting, or a probe)."""
+        return self._one_request(acceptance, max_k, batch_size, off)[0]
+
+    def _one_request(self, acceptance: Acceptance | float, max_k: int, batch_size: int,
+                     off: bool) -> tuple[int, bool]:
+        """(k, whether that k measures costs rather than being chosen on them) for one request."""
         k, _ = self._best([acceptance], [max_k], batch_size, off)
-        return min(MEASURE_K, max_k) if k < 0 else k
+        return (min(MEASURE_K, max_k), True) if k < 0 else (k, False)
 
     def _best(self, acceptances: list[Acceptance | float], max_ks: list[int], batch_size: int,
               off: bool = False, trim: bool = False) -> tuple[int, list[int] | None]:
@@ -806,9 +811,7 @@ class CostModelPolicy(GammaPolicy):
     def _choose(self, seq, max_k):
         state = self._state(seq)
         batch_size = seq.scratch.get("batch_size", 1)
-        k, _ = self._best([self._acceptance(seq)], [max_k], batch_size, state.get("k", 1) == 0)
-        measuring = k < 0
-        k = min(MEASURE_K, max_k) if measuring else k
+        k, measuring = self._one_request(self._acceptance(seq), max_k, batch_size, state.get("k", 1) == 0)
         can_probe = k == 0 and self._could_pay([max_k], batch_size)
         k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, can_probe)
         state["probing"] = can_probe and k > 0
