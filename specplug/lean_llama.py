@@ -306,12 +306,21 @@ class LeanLayer:
             # row-invariant (see few_rows). One call for all T queries would sum in another order, and with
             # bf16 products such last-bit differences grow until a greedy near-tie flips.
             out = self._attend_spans(q * self.scaling, [(cache.k, cache.v, start, T)])
-        else:  # a prefill: query i sits at start + i and may see keys 0..start + i
-            mask = (torch.arange(keys.shape[1], device=x.device)[None]
-                    <= torch.arange(start, start + T, device=x.device)[:, None])
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=self.scaling,
-                                                 enable_gqa=self.heads != self.kv_heads).transpose(0, 1)
+        else:
+            out = self._attend_prefill(q, keys, values, start)
         return self._finish(x, out.reshape(T, -1))
+
+    def _attend_prefill(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int) -> torch.Tensor:
+        """Many queries q [T, heads, d] at positions start.. over keys/values [kv_heads, start + T, d], causally,
+        in one fused call. Batched (4-D) inputs reach torch's flash kernel on the CPU, where 3-D ones fall back to
+        masked matrix products at about twice the time; from an empty cache no mask is needed at all."""
+        T = q.shape[0]
+        mask = None if start == 0 else (torch.arange(keys.shape[1], device=q.device)[None]
+                                        <= torch.arange(start, start + T, device=q.device)[:, None])
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+                                             is_causal=mask is None, scale=self.scaling,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return out[0].transpose(0, 1)
 
     def _attend_spans(self, q: torch.Tensor, spans: list[tuple[torch.Tensor, torch.Tensor, int, int]]) -> torch.Tensor:
         """Scaled queries q [N, heads, d] (scaled once for all rows, not each query's scores) attend one by one:
@@ -333,10 +342,11 @@ class LeanLayer:
         tree, whose path must score as its chain would) each make the one-token step's call on a view of the
         cache: its visible entries after the leading visible run are written, in order, just after that run,
         so the view holds what a chain holding the node's path would (the overwritten entries are put back
-        afterwards). More queries run through torch's fused attention, masked."""
+        afterwards). More queries run through torch's fused attention, masked (4-D, as in a prefill)."""
         if fused and q.shape[0] > SMALL_ATTENTION:
-            return F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible.mask, scale=1.0,
-                                                  enable_gqa=self.heads != self.kv_heads).transpose(0, 1)
+            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                                  attn_mask=visible.mask, scale=1.0,
+                                                  enable_gqa=self.heads != self.kv_heads)[0].transpose(0, 1)
         lo = min(visible.runs, default=keys.shape[1])
         saved_k, saved_v = keys[:, lo:].clone(), values[:, lo:].clone()
         out = []

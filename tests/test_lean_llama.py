@@ -30,6 +30,20 @@ def test_lean_forward_matches_hf_through_steps_and_rollbacks(tiny_dirs):
     assert cache.length > 256
 
 
+def test_long_runs_attend_causally_from_an_empty_cache_and_after_cached_tokens(tiny_dirs):
+    # runs longer than SMALL_ATTENTION take the fused prefill attention: unmasked-causal from an empty cache,
+    # masked after cached tokens, where each query must see every cached key and the new ones up to its own
+    draft = specplug.Target.from_pretrained(tiny_dirs["target"], lean=False)
+    lean, why = lean_or_reason(draft.model)
+    assert lean is not None, why
+    hf_state, cache = KVState(), lean.new_cache()
+    gen = torch.Generator().manual_seed(5)
+    for n in (40, 30, 1, 20):
+        chunk = torch.randint(0, draft.vocab_size, (n,), generator=gen).tolist()
+        torch.testing.assert_close(lean.forward(cache, chunk, last_only=False), draft.forward(hf_state, chunk).logits,
+                                   atol=1e-4, rtol=1e-4)
+
+
 def test_rows_whose_output_is_not_read_still_fill_the_cache_as_a_full_pass_does(tiny_dirs):
     """``keep``: the last layer runs attention and MLP for the rows whose logits are read; every row's keys and
     values still enter each layer's cache, so what follows decodes as after a full pass."""
