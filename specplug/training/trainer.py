@@ -12,18 +12,23 @@ batches an uninterrupted one would.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import shutil
 import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from .data import batch_for_step, token_stream
+from .models import build_model, n_params
 
 
 @dataclass
@@ -174,135 +179,187 @@ def evaluate(model, stream: torch.Tensor, seq_len: int, max_tokens: int | None =
     return {"val_loss": tot / n, "val_ppl": math.exp(tot / n), "val_tokens": n}
 
 
-@keeps_caller_threads
-def train(args: TrainArgs, config=None, log=print) -> dict:
-    """Train (or resume) in args.work_dir. `config` is required for a fresh run."""
-    from safetensors.torch import load_model
-    from tqdm import tqdm
+class _Clock:
+    """A run's steps, tokens seen and training seconds, carried over from the checkpoint it resumes."""
+
+    def __init__(self, state: dict):
+        self.step, self.tokens = state["step"], state["tokens"]
+        self._before, self._start = state["elapsed_s"], time.time()
+
+    def elapsed(self) -> float:
+        return self._before + time.time() - self._start
+
+    def state(self, args: TrainArgs) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed(), "args": asdict(args)}
+
+
+class _Progress:
+    """log.tsv (appended across resumes, one header) and the progress bar."""
+
+    def __init__(self, work: Path, args: TrainArgs, step: int):
+        from tqdm import tqdm
+
+        self.every = args.log_every
+        self.file = open(work / "log.tsv", "a")
+        if os.path.getsize(work / "log.tsv") == 0:
+            self.file.write("step\tloss\tlr\ttok_per_s\telapsed_s\tthreads\n")
+        self.bar = tqdm(total=args.steps, initial=step, desc=work.name, dynamic_ncols=True, mininterval=5)
+
+    def record(self, clock: _Clock, loss: float, lr: float, tok_per_s: float, threads: int) -> None:
+        if clock.step % self.every == 0:
+            self.file.write(f"{clock.step}\t{loss:.5f}\t{lr:.3e}\t{tok_per_s:.0f}\t{clock.elapsed():.1f}\t{threads}\n")
+            self.file.flush()
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tps=f"{tok_per_s:.0f}", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.file.close()
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGTERM and SIGINT ask the loop to stop after its current step and save, not to die mid-checkpoint."""
+    stop = threading.Event()
+    old = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+class _LazyStreams:
+    """The corpus's token streams by split, tokenized (or read from the cache) when first asked for."""
+
+    def __init__(self, tokenizer_dir: str, cache: Path):
+        self.tokenizer_dir, self.cache = tokenizer_dir, cache
+
+    def __getitem__(self, split: str) -> torch.Tensor:
+        return token_stream(split, self.tokenizer_dir, self.cache)
+
+
+def _open_run(work: Path, config) -> tuple[object, dict, bool]:
+    """(config, state, resumed): the checkpoint's where there is one, else a fresh run's from ``config``."""
     from transformers import LlamaConfig
 
-    from .data import batch_for_step, token_stream
-    from .models import build_model, n_params
-
-    gov = _ThreadGovernor(args.threads)
-    work = Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
-    cache = work.parent / "cache"
-
-    resumed = (work / "ckpt" / "state.json").exists()
-    if resumed:
-        config = LlamaConfig.from_json_file(str(work / "config.json"))
+    if (work / "ckpt" / "state.json").exists():
         state = json.loads((work / "ckpt" / "state.json").read_text())
-    else:
-        if config is None:
-            raise ValueError("fresh run needs a model config")
-        config.to_json_file(str(work / "config.json"))
-        state = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
+        return LlamaConfig.from_json_file(str(work / "config.json")), state, True
+    if config is None:
+        raise ValueError("fresh run needs a model config")
+    config.to_json_file(str(work / "config.json"))
+    return config, {"step": 0, "tokens": 0, "elapsed_s": 0.0}, False
+
+
+def _student(args: TrainArgs, config, work: Path, resumed: bool, log):
+    """The model to train: the checkpoint's weights, ``init_from``'s, or fresh ones from ``seed``."""
+    from safetensors.torch import load_model
 
     model = build_model(config, args.seed)
     if resumed:
         load_model(model, str(work / "ckpt" / "model.safetensors"))
     elif args.init_from:
-        init = load_trained(args.init_from)
-        missing = model.load_state_dict(init.state_dict(), strict=False)
+        missing = model.load_state_dict(load_trained(args.init_from).state_dict(), strict=False)
         log(f"init from {args.init_from}: {missing}")
-    model.train()
-    log(f"model: {n_params(model):,} params; resumed={resumed} at step {state['step']}")
+    return model.train()
 
-    teacher = None
-    if args.teacher:
-        teacher = load_trained(args.teacher)
-        for p in teacher.parameters():
-            p.requires_grad_(False)
-        if teacher.config.vocab_size != config.vocab_size:
-            raise ValueError("teacher and student vocabularies differ")
-        log(f"teacher: {args.teacher} ({n_params(teacher):,} params)")
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+def _teacher(args: TrainArgs, config, log):
+    """The frozen teacher of a distillation run, or None."""
+    if not args.teacher:
+        return None
+    teacher = load_trained(args.teacher).requires_grad_(False)
+    if teacher.config.vocab_size != config.vocab_size:
+        raise ValueError(f"teacher {args.teacher} has a vocabulary of {teacher.config.vocab_size} tokens, "
+                         f"the student {config.vocab_size}")
+    log(f"teacher: {args.teacher} ({n_params(teacher):,} params)")
+    return teacher
+
+
+def _optimizer(model, args: TrainArgs, resume_from: Path | None) -> torch.optim.Optimizer:
+    """AdamW, no weight decay on norms and biases; its state from the checkpoint when resuming."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
     )
-    if resumed:
-        opt.load_state_dict(torch.load(work / "ckpt" / "optim.pt", weights_only=True))
+    if resume_from is not None:
+        opt.load_state_dict(torch.load(resume_from / "ckpt" / "optim.pt", weights_only=True))
+    return opt
 
-    train_stream = token_stream("train", args.tokenizer_dir, cache)
-    log(f"train stream: {train_stream.numel():,} tokens")
 
-    stop = {"flag": False}
+def _next_token_ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    def _handler(signum, frame):
-        stop["flag"] = True
 
-    old_handlers = {s: signal.signal(s, _handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    logf = open(work / "log.tsv", "a")
-    if os.path.getsize(work / "log.tsv") == 0:
-        logf.write("step\tloss\tlr\ttok_per_s\telapsed_s\tthreads\n")
+def _loss(model, teacher, x: torch.Tensor, args: TrainArgs) -> torch.Tensor:
+    """The loss on windows x [B, T + 1]: next-token CE, or KL toward the teacher (plus CE where weighted)."""
+    inp, tgt = x[:, :-1], x[:, 1:]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=inp).logits
+        if teacher is not None:
+            with torch.no_grad():
+                t_logits = teacher(input_ids=inp).logits
+    if teacher is None:
+        return _next_token_ce(logits, tgt)
+    loss = args.kd_weight * _kd_loss(logits, t_logits, args.kd_temperature)
+    return loss + args.ce_weight * _next_token_ce(logits, tgt) if args.ce_weight else loss
 
-    step = state["step"]
-    tokens = state["tokens"]
-    elapsed0 = state["elapsed_s"]
-    t_start = time.time()
-    bar = tqdm(total=args.steps, initial=step, desc=work.name, dynamic_ncols=True, mininterval=5)
 
-    def snapshot():
-        return {"step": step, "tokens": tokens, "elapsed_s": elapsed0 + time.time() - t_start,
-                "args": asdict(args)}
+def _descend(model, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, grad_clip: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
 
+
+@keeps_caller_threads
+def train(args: TrainArgs, config=None, log=print, streams: dict[str, torch.Tensor] | None = None) -> dict:
+    """Train (or resume) in args.work_dir. `config` is required for a fresh run. `streams` maps "train" and
+    "heldout" to 1-D token tensors (default: the stdlib corpus through ``args.tokenizer_dir``)."""
+    gov = _ThreadGovernor(args.threads)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    streams = streams or _LazyStreams(args.tokenizer_dir, work.parent / "cache")
+    config, state, resumed = _open_run(work, config)
+    model = _student(args, config, work, resumed, log)
+    log(f"model: {n_params(model):,} params; resumed={resumed} at step {state['step']}")
+    teacher = _teacher(args, config, log)
+    opt = _optimizer(model, args, work if resumed else None)
+    stream = streams["train"]
+    log(f"train stream: {stream.numel():,} tokens")
+
+    clock = _Clock(state)
+    progress = _Progress(work, args, clock.step)
     try:
-        while step < args.steps and not stop["flag"]:
-            t0 = time.time()
-            nthr = gov.update()
-            lr = lr_at(step, args)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            x = batch_for_step(train_stream, step, args.seed, args.batch_size, args.seq_len)
-            inp, tgt = x[:, :-1], x[:, 1:]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(input_ids=inp).logits
-                if teacher is not None:
-                    with torch.no_grad():
-                        t_logits = teacher(input_ids=inp).logits
-            if teacher is not None:
-                loss = args.kd_weight * _kd_loss(logits, t_logits, args.kd_temperature)
-                if args.ce_weight:
-                    loss = loss + args.ce_weight * F.cross_entropy(
-                        logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-            else:
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if args.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            opt.step()
-            step += 1
-            tokens += inp.numel()
-            dt = time.time() - t0
-            lv = loss.item()
-            if not math.isfinite(lv):
-                raise FloatingPointError(f"non-finite loss at step {step}")
-            if step % args.log_every == 0:
-                logf.write(f"{step}\t{lv:.5f}\t{lr:.3e}\t{inp.numel() / dt:.0f}\t{elapsed0 + time.time() - t_start:.1f}\t{nthr}\n")
-                logf.flush()
-            bar.update(1)
-            bar.set_postfix(loss=f"{lv:.3f}", lr=f"{lr:.2e}", tps=f"{inp.numel() / dt:.0f}", refresh=False)
-            if step % args.ckpt_every == 0 or step == args.steps:
-                _save_ckpt(work, model, opt, snapshot())
+        with _stop_on_signals() as stop:
+            while clock.step < args.steps and not stop.is_set():
+                t0, threads, lr = time.time(), gov.update(), lr_at(clock.step, args)
+                x = batch_for_step(stream, clock.step, args.seed, args.batch_size, args.seq_len)
+                loss = _loss(model, teacher, x, args)
+                _descend(model, opt, loss, lr, args.grad_clip)
+                clock.step += 1
+                clock.tokens += x[:, :-1].numel()
+                if not math.isfinite(value := loss.item()):
+                    raise FloatingPointError(f"non-finite loss at step {clock.step}")
+                progress.record(clock, value, lr, x[:, :-1].numel() / (time.time() - t0), threads)
+                if clock.step % args.ckpt_every == 0 or clock.step == args.steps:
+                    _save_ckpt(work, model, opt, clock.state(args))
     finally:
-        bar.close()
-        logf.close()
-        for s, h in old_handlers.items():
-            signal.signal(s, h)
-    if step < args.steps:
-        _save_ckpt(work, model, opt, snapshot())
-        log(f"stopped at step {step}/{args.steps}; checkpoint saved, rerun to resume")
-        return {"finished": False, **snapshot()}
+        progress.close()
+    if clock.step < args.steps:
+        _save_ckpt(work, model, opt, clock.state(args))
+        log(f"stopped at step {clock.step}/{args.steps}; checkpoint saved, rerun to resume")
+        return {"finished": False, **clock.state(args)}
 
-    snap = snapshot()
-    val_stream = token_stream("heldout", args.tokenizer_dir, cache)
-    res = evaluate(model, val_stream, args.seq_len, args.eval_tokens)
-    res.update({"steps": step, "tokens_seen": tokens, "train_time_s": snap["elapsed_s"],
+    trained_s = clock.elapsed()
+    res = evaluate(model, streams["heldout"], args.seq_len, args.eval_tokens)
+    res.update({"steps": clock.step, "tokens_seen": clock.tokens, "train_time_s": trained_s,
                 "params": n_params(model)})
     (work / "eval.json").write_text(json.dumps(res, indent=1))
     log(f"done: {json.dumps(res)}")
