@@ -32,7 +32,9 @@ import torch.nn.functional as F
 from . import machine
 
 MAX_ROWS = 16  # float32 CPU products up to this many rows may run as weight @ xᵀ (see transposed)
-PROBE_ROWS = 64  # the most rows the probe checks: longer products run in pieces it has checked
+# The most rows the probe checks: longer products run in pieces it has checked, each reading the weight again.
+# A verify pass at B = 16 feeds 16 · (γ + 1) rows, so up to γ = 9 it is one product.
+PROBE_ROWS = 160
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ def packed_copy(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch
     if _pack_refusal():
         machine.record("packed_bf16", where, "F.linear", _pack_refusal(), "probe")
         return None
-    same = machine.remembered("packed_same_bits", where,
+    same = machine.remembered("packed_same_bits", f"{where}, probed to {PROBE_ROWS} rows",
                               lambda: "yes" if _same_bits_packed(out_features, in_features, bias is not None) else "no",
                               lambda v: "packed products give the unpacked bits" if v == "yes"
                               else "packed products round differently: not used")
@@ -194,7 +196,8 @@ def identical_rows(weight: torch.Tensor, bias: torch.Tensor | None = None) -> in
     if found is None:
         shape, dtype, device, has_bias, threads = key
         probe = RowProbe(shape[0], shape[1], str(dtype).removeprefix("torch."), str(device), has_bias, threads, 0)
-        where = f"{probe.dtype} {shape[0]}x{shape[1]}{' +bias' if has_bias else ''} {probe.device}"
+        where = (f"{probe.dtype} {shape[0]}x{shape[1]}{' +bias' if has_bias else ''} {probe.device}, "
+                 f"probed to {PROBE_ROWS} rows")  # a shallower probe's finding says nothing of the rows beyond it
         rows = machine.remembered("identical_rows", where, lambda: str(_probe(shape[0], shape[1], dtype, device,
                                                                               has_bias)),
                                   lambda value: replace(probe, rows=int(value)).describe())
