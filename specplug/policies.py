@@ -82,6 +82,8 @@ MEASURE_K = 2
 # Pricing costs 0.25-0.6 ms a step (2-4% of a run, docs/policies.md), and in the replay a choice kept one step
 # chose as well as one priced every step
 REPRICE_EVERY = 2
+# predicted gains within this share count as a tie (no drafting): measured costs are noisy
+TIE = 0.01
 PROPOSER_DECAY = 0.95  # weight of older steps in a proposer's running rates (across its requests)
 REACH_RELAX = 0.99  # per step, a depth the policy did not ask for moves its reach this much less from 1
 LINE_DECAY = 0.95  # weight of older drafting steps in the fixed + per-pass fit (slower than α's: k must vary)
@@ -730,8 +732,10 @@ class CostModelPolicy(GammaPolicy):
             # With speculation off only probes spend steps: exploring would make every row's drafter catch up on
             # what it missed (a prompt's worth in a new row), a price no pass that might prove cheap repays.
             # Switching on makes them catch up too: a small predicted gain would not repay that (and would
-            # flap on noise).
-            return 0 if best < (1 + self.switch_on_margin) * rates[0] else rates.index(best)
+            # flap on noise). Where catching up was measured cheap (ngram, suffix) it costs nothing to repay,
+            # and staying off loses what drafting would win: only a tie keeps it off.
+            margin = TIE if self._measure_from_off(batch_size) else self.switch_on_margin
+            return 0 if best < (1 + margin) * rates[0] else rates.index(best)
         # Explore a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago) if
         # it would clearly win were that pass no dearer than a shorter one measured lately: a line through short
         # passes misjudges long ones both ways, and a measurement never repeated can lock in a pause. Each such
@@ -741,10 +745,10 @@ class CostModelPolicy(GammaPolicy):
         longest = math.ceil(positions[explore])  # the longer pass a step asking that many scores
         if not self.costs.is_fresh(longest, batch_size) and hopeful[explore] > (1 + self.switch_on_margin) * best:
             return explore
-        # No drafting where it is within 1% of the best: measured costs are noisy, and drafting that buys
+        # No drafting where it is within TIE of the best: measured costs are noisy, and drafting that buys
         # nothing should not win a tie. Among drafting lengths the best predicted, with no margin (one drafts
         # too short: docs/policies.md). An extrapolated scoring cost is measured by running it.
-        if rates[0] >= 0.99 * best:
+        if rates[0] >= (1 - TIE) * best:
             return 0
         return max(range(1, len(rates)), key=lambda k: rates[k])
 

@@ -888,19 +888,19 @@ def test_a_probe_pass_over_ragged_rows_is_priced_as_the_plain_step_it_nearly_is(
     assert policy.costs.verify[(2, 16)] == 0.030
 
 
-def off_with_a_dear_pass_measured_long_ago(catch_up, rows=4):
-    """A kept policy over ``rows`` rows, off: a 2-token pass measured twice, long ago, on a slow spell (24 ms;
+def off_with_a_dear_pass_measured_long_ago(catch_up, rows=4, dear=0.024):
+    """A kept policy over ``rows`` rows, off: a 2-token pass measured twice, long ago, on a slow spell (``dear``;
     every row's drafter catching up ``catch_up`` seconds in the first), plain steps measured lately at 13.5 ms;
     the proposer's drafts mostly accepted."""
     policy = CostModelPolicy(max_gamma=8)
     seqs = [seq_state(None) for _ in range(rows)]
-    step = {"drafted": rows, "draft_time": 0.0002 + catch_up * rows, "verify_time": 0.024, "batch_size": rows,
+    step = {"drafted": rows, "draft_time": 0.0002 + catch_up * rows, "verify_time": dear, "batch_size": rows,
             "scored": 2, "tokens": 2 * rows, "draft_rows": rows, "backlog_rows": rows}
     for seq in seqs:
         policy.begin(seq)
         seq.scratch["batch_step"] = step
         policy.update(seq, 1, 1, 0.0, 0.0, rows)
-    policy.costs.observe(rows, 0.0002, 0.024, rows, scored=2, draft_rows=rows, tokens=2 * rows)  # no backlog
+    policy.costs.observe(rows, 0.0002, dear, rows, scored=2, draft_rows=rows, tokens=2 * rows)  # no backlog
     for _ in range(REMEASURE_AFTER + 1):
         policy.costs.observe(0, 0.0, 0.0135, rows, scored=1, tokens=rows)
     policy._batch_idle, policy._batch_k = 1, 0
@@ -918,8 +918,9 @@ def test_where_catching_up_is_cheap_a_probe_measures_every_row_so_one_dear_pass_
     # Over ragged rows a one-row probe scores a plain pass: a 2-token pass measured dear once (24 ms, 1.8×
     # a plain step, where it costs 1.3×) kept a kept ngram policy at k = 0 for 508 of 511 steps at B = 4.
     # Where every drafter catching up was measured cheap, a probe drafts MEASURE_K in every row instead: it
-    # measures a drafted pass and every row's rates, and speculation switches on
-    policy, seqs = off_with_a_dear_pass_measured_long_ago(catch_up=0.0003)
+    # measures a drafted pass and every row's rates, and speculation switches on. (Measured at 27 ms, twice a
+    # plain step: at 24 ms the predicted gain of drafting at once is beyond a tie, which switches it on unprobed)
+    policy, seqs = off_with_a_dear_pass_measured_long_ago(catch_up=0.0003, dear=0.027)
     chosen = ngram_like_batch(policy, seqs, 100, catch_up=0.0003)
     probe = next(i for i, ks in enumerate(chosen) if max(ks))
     assert chosen[probe] == [MEASURE_K] * 4
@@ -933,6 +934,35 @@ def test_where_catching_up_is_dear_a_probe_drafts_in_one_row_only():
     chosen = ngram_like_batch(policy, seqs, 100, catch_up=0.020)
     assert any(max(ks) for ks in chosen)
     assert all(sum(1 for k in ks if k) <= 1 and max(ks) <= 1 for ks in chosen)
+
+
+def off_over_four_rows_with_a_small_predicted_gain(catch_up):
+    """A policy off over four rows whose drafting a token each is predicted ~5% faster than a plain step (plain
+    10 ms, a 2-token pass 10.8 ms, drafting 0.2 ms, first drafts accepted 0.16 of the time), each row's drafter
+    measured to catch up in ``catch_up`` seconds."""
+    policy = CostModelPolicy(max_gamma=1, probe_every=1000)
+    for _ in range(3):
+        policy.costs.observe(0, 0.0, 0.010, 4, scored=1, tokens=4)
+        policy.costs.observe(4, 0.0002, 0.0108, 4, scored=2, draft_rows=4, tokens=8)
+    seqs = [seq_state(None) for _ in range(4)]
+    for seq in seqs:
+        seq.scratch["policy:cost-model"] = {"successes": 0.16, "trials": 1.0, "first": [0.16, 1.0],
+                                            "then": [0.16, 1.0], "idle": 0, "wait": 1000}
+    policy._batch_k, policy._catch_up = 0, catch_up
+    tokens = [4.0, 4 * 1.16]
+    rates = policy._rates(tokens, [1] * 4, 4, 1, positions=[1.0, 2.0])
+    assert 1.02 < rates[1] / rates[0] < 1 + policy.switch_on_margin  # the gain the rule is about
+    return policy, seqs
+
+
+def test_where_catching_up_is_cheap_speculation_switches_back_on_for_any_gain_beyond_a_tie():
+    # the switch-on margin pays for every drafter catching up on what it missed; where that was measured to
+    # cost less than a plain step (ngram, suffix) there is nothing to repay, and staying off loses what
+    # drafting wins (the replay put ngram at B = 16 a few points behind static γ while off early in requests)
+    policy, seqs = off_over_four_rows_with_a_small_predicted_gain(catch_up=0.0003)
+    assert policy.choose_batch(seqs, [1] * 4) == [1] * 4
+    policy, seqs = off_over_four_rows_with_a_small_predicted_gain(catch_up=0.020)  # a model drafter's
+    assert policy.choose_batch(seqs, [1] * 4) == [0] * 4
 
 
 def test_a_probe_in_every_row_drafts_the_length_that_would_pay_best_were_longer_passes_no_dearer():
