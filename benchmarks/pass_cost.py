@@ -1,12 +1,15 @@
 """What a verify pass costs against a plain step, at a batch size: the number speculation has to beat.
 
     python benchmarks/pass_cost.py [--target zoo:pycode] [--batch-size 16] [--tokens 1,2,3,5,7] [--repeats 9]
+                                   [--probe-rows 64]
 
 Each of ``--batch-size`` rows holds one held-out HumanEval prompt in the target's lean cache; a pass feeds
 every row n tokens (a γ = n − 1 verify pass; n = 1 is a plain step) through ``LeanLlama.run_rows``, and each
 row's cache is cut back afterwards. Prints the median time per pass and its ratio to the plain step, n
 interleaved per repeat. With τ tokens emitted per pass, speculation at this batch size can reach at most
-τ / ratio(γ + 1) (drafting free, prefill left out).
+τ / ratio(γ + 1) (drafting free, prefill left out). ``--probe-rows N`` checks products for row-invariance only up
+to N rows (``few_rows.PROBE_ROWS``), so longer ones run in pieces of N, each reading the weight again: the
+products as a shallower probe left them (64 before session 30).
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import statistics
 import time
 
 import specplug
+from specplug import few_rows
 from specplug.bench.workloads import humaneval_prompts
 
 
@@ -24,7 +28,10 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--tokens", default="1,2,3,5,7", help="tokens per row in a pass (1: a plain step)")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--probe-rows", type=int, default=None, help="check row-invariance up to this many rows")
     args = parser.parse_args()
+    if args.probe_rows is not None:
+        few_rows.PROBE_ROWS = args.probe_rows  # read when the Target's products are first probed, below
     counts = [int(n) for n in args.tokens.split(",")]
     target = specplug.Target.from_pretrained(args.target)
     if target.lean is None:
@@ -52,8 +59,9 @@ def main() -> None:
         for n in counts[rep % len(counts):] + counts[: rep % len(counts)]:
             times[n].append(one_pass(n))
     plain = statistics.median(times[1]) if 1 in times else None
+    pieces = min((p.rows for p in few_rows.probes()), default=None)
     print(f"{args.target}, {args.batch_size} rows, prompts of {min(lengths)}-{max(lengths)} tokens, "
-          f"median of {args.repeats}:")
+          f"median of {args.repeats}; products in pieces of up to {pieces} rows:")
     for n in counts:
         t = statistics.median(times[n])
         ratio = f"  {t / plain:.2f}× a plain step" if plain else ""
