@@ -30,7 +30,9 @@ measures. The replay takes both out, so a rule can be judged in seconds and A/B'
   plane (a rare shape's median can hold a pause the policy then steers around or into); ``--losses`` shows
   where the policy loses against the best static γ, step by step: each step's time beyond what its tokens
   would have cost at the rate of every row drafting that γ from the same positions, by the step's longest
-  draft (off, 1-2, 3-4, 5+).
+  draft (off, 1-2, 3-4, 5+); ``--spell FIRST:LAST:FACTOR`` also replays a policy kept over ``--kept-runs`` runs
+  that sees every cost ``FACTOR`` times dearer in its steps FIRST to LAST - 1, counted over those runs (a slow
+  spell of a shared machine, which a kept pass table remembers), and prints each run against the best static γ.
 """
 from __future__ import annotations
 
@@ -165,14 +167,30 @@ class CostTable:
         return max(t1, t0 + (t1 - t0) * (tokens - n0) / (n1 - n0))
 
 
+class SlowSpell:
+    """A spell in which the machine runs ``factor`` times slower, from the policy's ``first`` step to before its
+    ``last`` one, counted over every run it is passed to: what a policy kept across runs (a server's) sees of a
+    shared machine's slow spell. Only what the policy sees is scaled; the replay's clock stays the table's."""
+
+    def __init__(self, first: int, last: int, factor: float):
+        self.first, self.last, self.factor, self.steps = first, last, factor, 0
+
+    def tick(self) -> float:
+        """This step's factor; counts the step."""
+        self.steps += 1
+        return self.factor if self.first <= self.steps - 1 < self.last else 1.0
+
+
 def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens: int, name: str,
-           noise: float = 0.0, seed: int = 0, losses: tuple[int, dict[str, float]] | None = None) -> float:
+           noise: float = 0.0, seed: int = 0, losses: tuple[int, dict[str, float]] | None = None,
+           spell: SlowSpell | None = None) -> float:
     """Goodput (tokens per table second) of ``policy`` decoding every traced request ``tokens`` tokens long,
-    ``batch_size`` rows at a time, the policy seeing each cost times exp(noise · N(0, 1)). With ``losses``
-    (γ, totals), each step's seconds beyond what its tokens would have cost at the rate every row drafting γ
-    would have had at the same positions, added to totals by the step's longest draft (:func:`_phase`)."""
+    ``batch_size`` rows at a time, the policy seeing each cost times exp(noise · N(0, 1)), and times the
+    ``spell``'s factor in its steps. With ``losses`` (γ, totals), each step's seconds beyond what its tokens
+    would have cost at the rate every row drafting γ would have had at the same positions, added to totals by
+    the step's longest draft (:func:`_phase`)."""
     rng = random.Random(seed)
-    seen = (lambda s: s * math.exp(noise * rng.gauss(0.0, 1.0))) if noise else (lambda s: s)
+    jitter = (lambda s: s * math.exp(noise * rng.gauss(0.0, 1.0))) if noise else (lambda s: s)
     waiting = [SimpleNamespace(seq=SimpleNamespace(scratch={"proposer": name, "max_node_budget": 0}),
                                trace=req["positions"], done=0, drafted_last=False) for req in trace]
     live, clock, emitted_all = [], table.per_run, 0
@@ -195,6 +213,8 @@ def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens:
         backlog = sum(1 for k, row in zip(ks, live) if k > 0 and not row.drafted_last)
         draft_time, pass_time = table.step(B, drafted, backlog)
         clock += draft_time + pass_time + table.per_row_step * B
+        slow = spell.tick() if spell is not None else 1.0
+        seen = lambda seconds: jitter(seconds * slow)  # noqa: E731
         if losses is not None:
             _count_loss(losses, live, k_maxes, table, B, max(ks), draft_time + pass_time,
                         sum(min(a + 1, tokens - row.done) for a, row in zip(accepted, live)), tokens)
@@ -261,6 +281,9 @@ def main() -> None:
                                                            "the shapes seen 3+ times, not per-shape medians")
     rep.add_argument("--losses", action="store_true", help="also where each policy loses against the best static γ, "
                                                            "step by step, by the step's longest draft")
+    rep.add_argument("--spell", default=None, metavar="FIRST:LAST:FACTOR",
+                     help="also a kept policy seeing costs FACTOR times dearer in its steps FIRST..LAST-1")
+    rep.add_argument("--kept-runs", type=int, default=5, help="runs of the kept policy through --spell")
     args = ap.parse_args()
     if args.command == "record":
         from specplug.bench.workloads import humaneval_prompts
@@ -306,6 +329,12 @@ def main() -> None:
             shares = [f"{phase} {100 * totals[phase] / seconds:+.1f}%"
                       for phase in ("off", "k 1-2", "k 3-4", "k 5+") if phase in totals]
             print(f"{'':18s} lost against γ={best_gamma} step by step, noisy fresh runs: " + ", ".join(shares))
+        if args.spell:
+            first, last, factor = args.spell.split(":")
+            spell, spelled = SlowSpell(int(first), int(last), float(factor)), cls(max_gamma=args.depth)
+            runs = [replay(spelled, trace, table, B, tokens, name, spell=spell) for _ in range(args.kept_runs)]
+            print(f"{'':18s} kept through the spell, run by run: "
+                  + " ".join(f"{100 * (rate / best - 1):+.1f}%" for rate in runs))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import specplug
 from specplug.batch import generate_batch
 from specplug.policies import CostModelPolicy, FixedPolicy
@@ -105,3 +107,34 @@ def test_the_ab_recorder_times_the_policys_own_calls_and_only_them(tiny_target):
     assert Slow.calls > 0
     # a sleep may overrun on a busy machine: bound by the time the calls really took, not by 2 ms each
     assert Slow.inside <= recorder.policy_time < Slow.inside + 0.5 * (wall - Slow.inside)
+
+
+class Seeing(FixedPolicy):
+    """A static γ that writes down the scoring time it is shown at each step (once a step, not once a row)."""
+
+    def __init__(self, gamma):
+        super().__init__(gamma)
+        self.seen, self._last = [], None
+
+    def update(self, seq, proposed, accepted, draft_time, verify_time, batch_size=1):
+        step = seq.scratch.get("batch_step")
+        if step is not self._last:
+            self._last = step
+            self.seen.append(verify_time)
+
+
+def test_a_slow_spell_makes_the_policy_see_dearer_steps_while_the_clock_stays_the_tables(tiny_target):
+    replay, ab = load("policy_replay"), load("policy_ab")
+    trace = replay.record(tiny_target, "ngram", PROMPTS, 24, depth=4)
+    steps = engine_steps(tiny_target, 2, 24, 2, ab.StepRecorder)
+    saved = {"batch_size": 2, "tokens": 24, "runs": [{"variant": "γ=2", "seconds": 1.0, "tokens": 96, "steps": steps}]}
+    table = replay.CostTable(saved)
+    plain, slowed = Seeing(2), Seeing(2)
+    spell = replay.SlowSpell(2, 5, 3.0)
+    assert replay.replay(plain, trace, table, 2, 24, "ngram") == replay.replay(slowed, trace, table, 2, 24, "ngram",
+                                                                                spell=spell)
+    assert spell.steps == len(slowed.seen) == len(plain.seen) > 5
+    assert [s / p for s, p in zip(slowed.seen, plain.seen)] == pytest.approx([1, 1, 3, 3, 3] + [1] * (spell.steps - 5))
+    # a spell is counted over every run it is passed to, as a kept policy lives through them
+    replay.replay(Seeing(2), trace, table, 2, 24, "ngram", spell=spell)
+    assert spell.steps == 2 * len(plain.seen)
