@@ -343,9 +343,8 @@ class MeasuredCosts:
         or ``stale_after`` steps ago): between two passes that were, interpolated; beyond the longest, and at
         most twice as long as it, that one's cost (scoring more never costs less, and may cost hardly more: on
         a CPU with bf16 products 9 tokens cost ~1.3 one-token steps, and some shapes hit faster kernels than
-        shorter ones). Elsewhere :meth:`verify_time`."""
-        hope = None if self.is_fresh(n, batch_size, stale_after) else _hope(self._fresh_at(batch_size, stale_after), n)
-        return self.verify_time(n, batch_size) if hope is None else hope
+        shorter ones). Elsewhere :meth:`verify_time`. (One point of :meth:`verify_curve`, which prices choices.)"""
+        return self.verify_curve(n, batch_size, stale_after)[n]
 
     @_memoised
     def _fresh_at(self, batch_size: int, stale_after: int) -> list[tuple[int, float]]:

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -319,7 +320,7 @@ def _descend(model, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, g
 
 
 @keeps_caller_threads
-def train(args: TrainArgs, config=None, log=print, streams: dict[str, torch.Tensor] | None = None) -> dict:
+def train(args: TrainArgs, config=None, log=print, streams: Mapping[str, torch.Tensor] | None = None) -> dict:
     """Train (or resume) in args.work_dir. `config` is required for a fresh run. `streams` maps "train" and
     "heldout" to 1-D token tensors (default: the stdlib corpus through ``args.tokenizer_dir``)."""
     gov = _ThreadGovernor(args.threads)
@@ -343,11 +344,12 @@ def train(args: TrainArgs, config=None, log=print, streams: dict[str, torch.Tens
                 x = batch_for_step(stream, clock.step, args.seed, args.batch_size, args.seq_len)
                 loss = _loss(model, teacher, x, args)
                 _descend(model, opt, loss, lr, args.grad_clip)
+                fed = x[:, :-1].numel()
                 clock.step += 1
-                clock.tokens += x[:, :-1].numel()
+                clock.tokens += fed
                 if not math.isfinite(value := loss.item()):
                     raise FloatingPointError(f"non-finite loss at step {clock.step}")
-                progress.record(clock, value, lr, x[:, :-1].numel() / (time.time() - t0), threads)
+                progress.record(clock, value, lr, fed / (time.time() - t0), threads)
                 if clock.step % args.ckpt_every == 0 or clock.step == args.steps:
                     _save_ckpt(work, model, opt, clock.state(args))
     finally:
