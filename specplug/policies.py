@@ -84,6 +84,9 @@ MEASURE_K = 2
 REPRICE_EVERY = 2
 # predicted gains within this share count as a tie (no drafting): measured costs are noisy
 TIE = 0.01
+# a probe may draft in every row, its drafters catching up on what they missed, where that costs no more than
+# this share of the plain steps since every row last drafted: so at most ~3% of the time speculation is off
+CATCH_UP_SHARE = 1 / 32
 PROPOSER_DECAY = 0.95  # weight of older steps in a proposer's running rates (across its requests)
 REACH_RELAX = 0.99  # per step, a depth the policy did not ask for moves its reach this much less from 1
 LINE_DECAY = 0.95  # weight of older drafting steps in the fixed + per-pass fit (slower than α's: k must vary)
@@ -535,7 +538,7 @@ def _ewma(old: float, new: float, decay: float) -> float:
 # what CostModelPolicy measures of one proposer (kept apart per proposer: CostModelPolicy._serve)
 PER_PROPOSER = ("costs", "_batch_idle", "_batch_wait", "_batch_k", "_last_step", "_last_rows", "_probe_row",
                 "_probing", "_empty_row", "_padded", "_catch_up", "_probe_all", "_probe_step", "_probe_accepted",
-                "budgets", "_reuse_left", "_reuse_rows")
+                "budgets", "_reuse_left", "_reuse_rows", "_off_steps")
 
 
 class CostModelPolicy(GammaPolicy):
@@ -610,6 +613,7 @@ class CostModelPolicy(GammaPolicy):
         self._padded = False  # the last batch step scored every row over its longest draft (HF's padded rows)
         self._catch_up: float | None = None  # drafting seconds per row with a backlog, in the last step with any
         self._probe_all = False  # the last batch choice was a probe drafting in every row
+        self._off_steps = 0  # batch steps since every row last drafted (speculation on, or a probe in every row)
         self._probe_step: dict | None = None  # that probe's step, until the next choice weighs it
         self._probe_accepted = 0  # drafts that probe's rows had accepted
         self.budgets = NodeBudgets()  # tree-drafting proposers: the node budget (node_budgets)
@@ -899,12 +903,13 @@ class CostModelPolicy(GammaPolicy):
         idle = k == 0
         # a probe that measures every row may check passes not measured lately; one in one row cannot (it
         # scores a plain pass), so it is spent only where the measured costs leave room for a gain
-        measuring = idle and self._measure_from_off(len(seqs))
+        measuring = idle and self._probe_in_every_row(len(seqs))
         can_probe = idle and self._could_pay(list(max_ks), len(seqs), hopeful=measuring)
         k, self._batch_idle, self._batch_wait = self._probe(self._batch_idle, self._batch_wait, k, can_probe)
         self._probing = idle and k > 0
         self._batch_k = 0 if self._probing else k
         self._probe_all = self._probing and measuring
+        self._off_steps = self._off_steps + 1 if idle and not self._probe_all else 0
         if self._probe_all:
             k = self._probe_k(acceptances, list(max_ks), len(seqs))
             ks = [min(k, m) for m in max_ks]
@@ -965,16 +970,24 @@ class CostModelPolicy(GammaPolicy):
         hopeful = [r or 0.0 for r in self._rates(tokens, max_ks, batch_size, cap, REMEASURE_AFTER, positions)]
         return max(MEASURE_K, max(range(1, cap + 1), key=lambda k: hopeful[k]))
 
-    def _measure_from_off(self, batch_size: int) -> bool:
-        """Whether a probe drafts in every row (:meth:`_probe_k` tokens) instead of one token in one row: where all
-        rows' drafters catching up was measured to cost no more than a plain step (``ngram``, ``suffix``). Such a
-        probe measures a drafted pass and every row's rates; over ragged rows a one-row probe scores a plain
-        pass and one row, so a drafted pass measured dear on a slow spell, or a few early rejections in the
-        other rows, kept speculation off for good. Where catching up is dear (a model drafter, under load)
-        probes stay in one row ("Off means off", docs/policies.md)."""
+    def _measure_from_off(self, batch_size: int, plain_steps: float = 1.0) -> bool:
+        """Whether all rows' drafters catching up was measured to cost no more than ``plain_steps`` plain steps.
+        At one (``ngram``, ``suffix``) a probe drafts in every row (:meth:`_probe_k` tokens) instead of one token
+        in one row, and any gain beyond a tie switches speculation on. Such a probe measures a drafted pass and
+        every row's rates; over ragged rows a one-row probe scores a plain pass and one row, so a drafted pass
+        measured dear on a slow spell, or a few early rejections in the other rows, kept speculation off for
+        good. Where catching up is dear (a model drafter, under load) probes stay in one row ("Off means off",
+        docs/policies.md) until it costs no more than CATCH_UP_SHARE of the plain steps since every row last
+        drafted (:meth:`_probe_in_every_row`)."""
         plain = self.costs.verify_time(1, batch_size)
         return (batch_size > 1 and self._catch_up is not None and plain is not None
-                and batch_size * self._catch_up <= plain)
+                and batch_size * self._catch_up <= plain_steps * plain)
+
+    def _probe_in_every_row(self, batch_size: int) -> bool:
+        """Whether this probe drafts in every row: where catching up is cheap, or no dearer than CATCH_UP_SHARE of
+        the steps since every row last drafted (a kept policy's passes measured on a slow spell are then
+        measured again, at a bounded price)."""
+        return self._measure_from_off(batch_size, max(1.0, CATCH_UP_SHARE * self._off_steps))
 
     def _one_row(self, seqs, firsts: list[float], max_ks: list[int]) -> list[int]:
         """k = 1 in one row: the one measured last step if it can draft (its drafter has no backlog), else the

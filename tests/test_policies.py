@@ -936,6 +936,34 @@ def test_where_catching_up_is_dear_a_probe_drafts_in_one_row_only():
     assert all(sum(1 for k in ks if k) <= 1 and max(ks) <= 1 for ks in chosen)
 
 
+def test_after_a_long_enough_wait_a_probe_drafts_in_every_row_even_where_catching_up_is_dear():
+    # a kept policy's drafted passes measured on a slow spell: one-row probes score plain passes and never
+    # measure a drafted one again, so a model drafter's policy stayed off for every later run (the replay's
+    # --spell). Here the dear pass rules drafting out even at full acceptance, so there were no probes at all.
+    # Once all four drafters catching up (80 ms) is within 1/32 of the plain steps since they last drafted
+    # (190 steps), a probe drafts in every row, pricing stale passes on hope: it measures the pass, and
+    # speculation is back
+    policy, seqs = off_with_a_dear_pass_measured_long_ago(catch_up=0.020, dear=0.027)
+    chosen = ngram_like_batch(policy, seqs, 400, catch_up=0.020)
+    every_row = next(i for i, ks in enumerate(chosen) if min(ks) > 0)
+    assert all(sum(1 for k in ks if k) <= 1 for ks in chosen[:every_row])
+    assert every_row >= 32 * 4 * 0.020 / 0.0135  # not before: the catch-up would cost more than 1/32 of the wait
+    assert chosen[every_row] == [chosen[every_row][0]] * 4 and chosen[every_row][0] >= MEASURE_K
+    assert all(min(ks) > 0 for ks in chosen[every_row + 1:])
+
+
+def test_probes_in_every_row_where_catching_up_is_dear_spend_at_most_a_32nd_of_the_steps_off():
+    # where drafting truly does not pay (each drafted position costs a plain step, drafts accepted half the
+    # time), the probes in every row repeat no sooner than their drafters' catch-up allows: 80 ms, 1/32 of
+    # 190 plain steps since every row last drafted
+    policy, seqs = off_with_a_dear_pass_measured_long_ago(catch_up=0.020, dear=0.027)
+    chosen = run_batch(policy, seqs, 1000, lambda ks: 0.0135 * (1 + sum(ks) / len(ks)), lambda k: 0.0002, 0.020,
+                       0.5)
+    every_row = [i for i, ks in enumerate(chosen) if min(ks) > 0]
+    assert len(every_row) >= 2
+    assert all(b - a >= 32 * 4 * 0.020 / 0.0135 for a, b in zip(every_row, every_row[1:]))
+
+
 def off_over_four_rows_with_a_small_predicted_gain(catch_up):
     """A policy off over four rows whose drafting a token each is predicted ~5% faster than a plain step (plain
     10 ms, a 2-token pass 10.8 ms, drafting 0.2 ms, first drafts accepted 0.16 of the time), each row's drafter
