@@ -59,13 +59,23 @@ def main() -> None:
         for n in counts[rep % len(counts):] + counts[: rep % len(counts)]:
             times[n].append(one_pass(n))
     plain = statistics.median(times[1]) if 1 in times else None
-    pieces = min((p.rows for p in few_rows.probes()), default=None)
     print(f"{args.target}, {args.batch_size} rows, prompts of {min(lengths)}-{max(lengths)} tokens, "
-          f"median of {args.repeats}; products in pieces of up to {pieces} rows:")
+          f"median of {args.repeats}; {product_form(lean)}:")
     for n in counts:
         t = statistics.median(times[n])
         ratio = f"  {t / plain:.2f}× a plain step" if plain else ""
         print(f"  {n} token(s) a row: {1e3 * t:7.2f} ms{ratio}")
+
+
+def product_form(lean) -> str:
+    """How the layers' products run: whole on a kernel that keeps one-row bits (rows kernel, AMX tiles), or in
+    pieces of as many rows as the probe found bit-identical."""
+    products = [p for layer in lean.layers for p in layer.products()]
+    whole = sum(1 for p in products if p.tiles is not None)
+    pieces = min((p.rows for p in few_rows.probes()), default=None)
+    if whole == len(products):
+        return f"products whole ({type(products[0].tiles).__name__})"
+    return f"{whole} of {len(products)} products whole, the rest in pieces of up to {pieces} rows"
 
 
 if __name__ == "__main__":
