@@ -321,6 +321,43 @@ def test_device_check_runs_on_the_cpu(tmp_path):
     assert "exactness draft-model batched" in out.stdout and "compare draft-model" in out.stdout
 
 
+def device_check_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "device_check.py"
+    spec = importlib.util.spec_from_file_location("device_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("pace, want", [(0.001, 300), (0.01, 200), (0.1, 50)])
+def test_device_check_draws_what_its_time_allows_and_never_fewer_than_the_least(monkeypatch, pace, want):
+    # a lease is minutes: an exactness row draws as many samples as its 2 s allow at the pace of its first
+    # draws (here at most 300, at least 50), each sample's seed new
+    from collections import Counter
+
+    module, now, seeds = device_check_module(), [0.0], []
+
+    def draw(n, first):
+        now[0] += pace * n
+        seeds.extend(range(first, first + n))
+        return Counter({"drawn": n})
+
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    assert module.sized(draw, 300, 50, 2.0)["drawn"] == want
+    assert seeds == list(range(want))
+
+
+def test_device_check_reports_a_part_that_raises_and_goes_on():
+    rows = device_check_module().Rows()
+    rows.section("greedy", lambda: 1 / 0)
+    rows.section("compare", lambda: rows(("compare target-only", "1 tok/s", True, 0.0)))
+    assert [(check, ok) for check, _, ok, _ in rows.rows] == [("greedy raised", False), ("compare target-only", True)]
+    assert "ZeroDivisionError" in rows.rows[0][1]
+
+
 # --- the product path is chosen by a probe on the machine at hand ------------------------------------------------
 def fake_probe(results):
     """A probe answering by the product dtype in force (what a real CPU might answer: not asserted here)."""
