@@ -40,6 +40,9 @@ SETTINGS = {"T=1": specplug.SamplingParams(temperature=1.0),
             "top-k=3": specplug.SamplingParams(temperature=1.0, top_k=3),
             "T=0.7 top-p=0.8": specplug.SamplingParams(temperature=0.7, top_p=0.8)}
 
+Row = tuple[str, str, bool, float]  # check, evidence, passed, seconds
+Report = Callable[[Row], None]
+
 
 def sized(draw: Callable[[int, int], Counter], most: int, least: int, seconds: float) -> Counter:
     """``draw(n, first)`` counts n samples numbered from ``first``; draw ``most`` of them, or as many as
@@ -55,8 +58,8 @@ def sized(draw: Callable[[int, int], Counter], most: int, least: int, seconds: f
     return counts
 
 
-def exactness_rows(device: str, samples: int, least: int, seconds: float, workdir: Path, report) -> None:
-    """Report (check, evidence, passed, seconds) for each proposer and setting, single and batched."""
+def exactness_rows(device: str, samples: int, least: int, seconds: float, workdir: Path, report: Report) -> None:
+    """Report a row for each proposer and setting, single and batched."""
     tiny_llama(workdir / "target", 6, hidden=32, layers=2, seed=0, init=0.3)
     tiny_llama(workdir / "draft", 6, hidden=16, layers=1, seed=7, init=0.2)
     target = specplug.Target.from_pretrained(workdir / "target", device=device)
@@ -75,7 +78,7 @@ def exactness_rows(device: str, samples: int, least: int, seconds: float, workdi
             report(batched_exactness(target, prop, name, samples, least, share))
 
 
-def batched_exactness(target, prop, name: str, samples: int, least: int, seconds: float):
+def batched_exactness(target, prop, name: str, samples: int, least: int, seconds: float) -> Row:
     """One batch call per round, its rows taking the settings in turn (and one greedy row)."""
     t0 = time.perf_counter()
     names, rows_per_call = list(SETTINGS), 48
@@ -100,7 +103,7 @@ def batched_exactness(target, prop, name: str, samples: int, least: int, seconds
             worst > EXACTNESS_ALPHA, time.perf_counter() - t0)
 
 
-def greedy_rows(device: str, prompts: int, tokens: int, report) -> specplug.Target:
+def greedy_rows(device: str, prompts: int, tokens: int, report: Report) -> specplug.Target:
     target = specplug.Target.from_pretrained("zoo:pycode", device=device)
     texts = humaneval_prompts(prompts)
     t0 = time.perf_counter()
@@ -122,7 +125,7 @@ def greedy_rows(device: str, prompts: int, tokens: int, report) -> specplug.Targ
     return target
 
 
-def compare_rows(target, prompts: int, tokens: int, report) -> None:
+def compare_rows(target, prompts: int, tokens: int, report: Report) -> None:
     t0 = time.perf_counter()
     result = run_compare(target, [ProposerSpec.parse("draft-model"), ProposerSpec.parse("ngram")],
                          [Workload("humaneval", tuple(humaneval_prompts(prompts)))], gammas=(4,),
@@ -139,9 +142,9 @@ class Rows:
     """The table's rows, each printed as it comes (a run cut short by its time limit keeps what it found)."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[str, str, bool, float]] = []
+        self.rows: list[Row] = []
 
-    def __call__(self, row: tuple[str, str, bool, float]) -> None:
+    def __call__(self, row: Row) -> None:
         self.rows.append(row)
         print(f"{'pass' if row[2] else 'FAIL'}  {row[0]}: {row[1]} ({row[3]:.1f} s)", flush=True)
 

@@ -72,9 +72,9 @@ def product_form(lean) -> str:
     pieces of as many rows as the probe found bit-identical."""
     products = [p for layer in lean.layers for p in layer.products()]
     whole = sum(1 for p in products if p.tiles is not None)
-    pieces = min((p.rows for p in few_rows.probes()), default=None)
     if whole == len(products):
         return f"products whole ({type(products[0].tiles).__name__})"
+    pieces = min((p.rows for p in few_rows.probes()), default=None)
     return f"{whole} of {len(products)} products whole, the rest in pieces of up to {pieces} rows"
 
 

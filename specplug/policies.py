@@ -971,22 +971,21 @@ class CostModelPolicy(GammaPolicy):
         return max(MEASURE_K, max(range(1, cap + 1), key=lambda k: hopeful[k]))
 
     def _measure_from_off(self, batch_size: int, plain_steps: float = 1.0) -> bool:
-        """Whether all rows' drafters catching up was measured to cost no more than ``plain_steps`` plain steps.
-        At one (``ngram``, ``suffix``) a probe drafts in every row (:meth:`_probe_k` tokens) instead of one token
-        in one row, and any gain beyond a tie switches speculation on. Such a probe measures a drafted pass and
-        every row's rates; over ragged rows a one-row probe scores a plain pass and one row, so a drafted pass
-        measured dear on a slow spell, or a few early rejections in the other rows, kept speculation off for
-        good. Where catching up is dear (a model drafter, under load) probes stay in one row ("Off means off",
-        docs/policies.md) until it costs no more than CATCH_UP_SHARE of the plain steps since every row last
-        drafted (:meth:`_probe_in_every_row`)."""
+        """Whether all rows' drafters catching up (``_catch_up`` per row, from the last step with a backlog) was
+        measured to cost no more than ``plain_steps`` plain steps. At one (``ngram``, ``suffix``) there is nothing
+        for a switch back on to repay: any gain beyond a tie switches speculation on (:meth:`_chosen`), and
+        every probe drafts in every row (:meth:`_probe_in_every_row`)."""
         plain = self.costs.verify_time(1, batch_size)
         return (batch_size > 1 and self._catch_up is not None and plain is not None
                 and batch_size * self._catch_up <= plain_steps * plain)
 
     def _probe_in_every_row(self, batch_size: int) -> bool:
-        """Whether this probe drafts in every row: where catching up is cheap, or no dearer than CATCH_UP_SHARE of
-        the steps since every row last drafted (a kept policy's passes measured on a slow spell are then
-        measured again, at a bounded price)."""
+        """Whether this probe drafts :meth:`_probe_k` tokens in every row instead of one token in one row: where
+        catching up costs no more than a plain step, or than CATCH_UP_SHARE of the plain steps since every row
+        last drafted. Such a probe measures a drafted pass and every row's rates; over ragged rows a one-row
+        probe scores a plain pass and one row, so a drafted pass measured dear on a slow spell, or a few early
+        rejections in the other rows, kept speculation off for good. Where catching up is dear (a model
+        drafter, under load) probes stay in one row until then ("Off means off", docs/policies.md)."""
         return self._measure_from_off(batch_size, max(1.0, CATCH_UP_SHARE * self._off_steps))
 
     def _one_row(self, seqs, firsts: list[float], max_ks: list[int]) -> list[int]:
