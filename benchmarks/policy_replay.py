@@ -5,7 +5,7 @@
     python benchmarks/policy_ab.py --proposer ngram --batch-size 4 --gammas 0,1,2,3,4,6,8 --tokens 128 \\
         --repeats 2 --save-steps steps.json
     python benchmarks/policy_replay.py replay --trace ngram.json --steps steps.json [--noise 0.1] [--seeds 20] \\
-        [--policy scratch.py:MyPolicy] [--first 16] [--smooth] [--losses]
+        [--policy scratch.py:MyPolicy] [--first 16] [--smooth] [--losses] [--by-rows]
 
 On a shared 2-core machine one A/B's repeats move a cell by ±5 points; pricing the passes afterwards
 (policy_ab.py) takes the noise out of the clock, not out of the policy, which reacts to the noisy costs it
@@ -30,9 +30,11 @@ measures. The replay takes both out, so a rule can be judged in seconds and A/B'
   plane (a rare shape's median can hold a pause the policy then steers around or into); ``--losses`` shows
   where the policy loses against the best static γ, step by step: each step's time beyond what its tokens
   would have cost at the rate of every row drafting that γ from the same positions, by the step's longest
-  draft (off, 1-2, 3-4, 5+); ``--spell FIRST:LAST:FACTOR`` also replays a policy kept over ``--kept-runs`` runs
-  that sees every cost ``FACTOR`` times dearer in its steps FIRST to LAST - 1, counted over those runs (a slow
-  spell of a shared machine, which a kept pass table remembers), and prints each run against the best static γ.
+  draft (off, 1-2, 3-4, 5+); ``--by-rows`` the steps and table time by the rows in a step (once no request
+  waits, a batch drains: its slowest row sets how long the last steps run with fewer rows);
+  ``--spell FIRST:LAST:FACTOR`` also replays a policy kept over ``--kept-runs`` runs that sees every cost
+  ``FACTOR`` times dearer in its steps FIRST to LAST - 1, counted over those runs (a slow spell of a shared
+  machine, which a kept pass table remembers), and prints each run against the best static γ.
 """
 from __future__ import annotations
 
@@ -183,12 +185,13 @@ class SlowSpell:
 
 def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens: int, name: str,
            noise: float = 0.0, seed: int = 0, losses: tuple[int, dict[str, float]] | None = None,
-           spell: SlowSpell | None = None) -> float:
+           spell: SlowSpell | None = None, by_rows: dict[int, list[float]] | None = None) -> float:
     """Goodput (tokens per table second) of ``policy`` decoding every traced request ``tokens`` tokens long,
     ``batch_size`` rows at a time, the policy seeing each cost times exp(noise · N(0, 1)), and times the
     ``spell``'s factor in its steps. With ``losses`` (γ, totals), each step's seconds beyond what its tokens
     would have cost at the rate every row drafting γ would have had at the same positions, added to totals by
-    the step's longest draft (:func:`_phase`)."""
+    the step's longest draft (:func:`_phase`). With ``by_rows``, [steps, table seconds] added up by the rows in a
+    step: a batch draining (no request waits) runs its last steps with fewer rows."""
     rng = random.Random(seed)
     jitter = (lambda s: s * math.exp(noise * rng.gauss(0.0, 1.0))) if noise else (lambda s: s)
     waiting = [SimpleNamespace(seq=SimpleNamespace(scratch={"proposer": name, "max_node_budget": 0}),
@@ -212,7 +215,11 @@ def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens:
         drafted, accepted = zip(*(row.trace[row.done][k - 1] if k else (0, 0) for k, row in zip(ks, live)))
         backlog = sum(1 for k, row in zip(ks, live) if k > 0 and not row.drafted_last)
         draft_time, pass_time = table.step(B, drafted, backlog)
-        clock += draft_time + pass_time + table.per_row_step * B
+        seconds = draft_time + pass_time + table.per_row_step * B
+        clock += seconds
+        if by_rows is not None:
+            tally = by_rows.setdefault(B, [0, 0.0])
+            tally[0], tally[1] = tally[0] + 1, tally[1] + seconds
         slow = spell.tick() if spell is not None else 1.0
         seen = lambda seconds: jitter(seconds * slow)  # noqa: E731
         if losses is not None:
@@ -252,6 +259,14 @@ def _count_loss(losses: tuple[int, dict[str, float]], live: list, k_maxes: list[
     totals[_phase(k)] = totals.get(_phase(k), 0.0) + lost
 
 
+def _print_by_rows(label: str, policy, trace: list[dict], table: CostTable, B: int, tokens: int, name: str) -> None:
+    """One line: ``policy``'s steps and table seconds by the rows in a step, for one run without noise."""
+    by_rows: dict[int, list[float]] = {}
+    replay(policy, trace, table, B, tokens, name, by_rows=by_rows)
+    print(f"{label:18s} by rows in a step: " + ", ".join(f"{rows}: {int(n)} steps {seconds:.2f} s"
+                                                       for rows, (n, seconds) in sorted(by_rows.items(), reverse=True)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -284,6 +299,8 @@ def main() -> None:
     rep.add_argument("--spell", default=None, metavar="FIRST:LAST:FACTOR",
                      help="also a kept policy seeing costs FACTOR times dearer in its steps FIRST..LAST-1")
     rep.add_argument("--kept-runs", type=int, default=5, help="runs of the kept policy through --spell")
+    rep.add_argument("--by-rows", action="store_true", help="also each fresh policy's and the best static γ's steps "
+                     "and table seconds by the rows in a step (where a draining batch's tail goes)")
     args = ap.parse_args()
     if args.command == "record":
         from specplug.bench.workloads import humaneval_prompts
@@ -312,6 +329,8 @@ def main() -> None:
     for g, rate in static.items():
         mine = measured.get(f"γ={g}") if args.first == 0 else None  # the steps' run decoded the first requests
         print(f"γ={g:<16d} {rate:7.1f} tokens/s on the table" + (f"   (measured {statistics.median(mine):.1f})" if mine else ""))
+    if args.by_rows:
+        _print_by_rows(f"γ={best_gamma}", FixedPolicy(best_gamma), trace, table, B, tokens, name)
     variants = {"cost-model": CostModelPolicy}
     variants.update({spec: load_policy(spec) for spec in args.policy})
     for label, cls in variants.items():
@@ -329,6 +348,8 @@ def main() -> None:
             shares = [f"{phase} {100 * totals[phase] / seconds:+.1f}%"
                       for phase in ("off", "k 1-2", "k 3-4", "k 5+") if phase in totals]
             print(f"{'':18s} lost against γ={best_gamma} step by step, noisy fresh runs: " + ", ".join(shares))
+        if args.by_rows:
+            _print_by_rows(label, cls(max_gamma=args.depth), trace, table, B, tokens, name)
         if args.spell:
             first, last, factor = args.spell.split(":")
             spell, spelled = SlowSpell(int(first), int(last), float(factor)), cls(max_gamma=args.depth)

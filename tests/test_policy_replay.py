@@ -78,6 +78,22 @@ def test_the_replay_charges_a_static_gamma_nothing_against_itself_but_a_backlog(
         assert 0.0 <= totals[phase] <= table.catch_up * len(PROMPTS) * (gamma > 0) + 1e-12
 
 
+
+def test_the_replay_splits_a_run_by_the_rows_in_each_step_as_the_engine_ran_them(tiny_target):
+    """``--by-rows``: a run's steps and table seconds by the rows in a step add up to the run (a draining batch's
+    tail is its steps with fewer rows), with as many steps at each row count as the engine took."""
+    replay, ab = load("policy_replay"), load("policy_ab")
+    trace = replay.record(tiny_target, "ngram", PROMPTS, 24, depth=4)
+    steps = engine_steps(tiny_target, 2, 24, 3, ab.StepRecorder)
+    saved = {"batch_size": 3, "tokens": 24, "runs": [{"variant": "γ=2", "seconds": 1.0, "tokens": 96, "steps": steps}]}
+    table, by_rows = replay.CostTable(saved), {}
+    goodput = replay.replay(FixedPolicy(2), trace, table, 3, 24, "ngram", by_rows=by_rows)
+    counts = {}
+    for s in steps:
+        counts[s["batch_size"]] = counts.get(s["batch_size"], 0) + 1
+    assert {rows: n for rows, (n, _) in by_rows.items()} == counts and len(counts) > 1  # 4 requests, 3 rows: a tail
+    assert table.per_run + sum(seconds for _, seconds in by_rows.values()) == pytest.approx(24 * len(PROMPTS) / goodput)
+
 def test_the_ab_recorder_times_the_policys_own_calls_and_only_them(tiny_target):
     ab = load("policy_ab")
 
