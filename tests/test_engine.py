@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import specplug
+from benchmark_scripts import BENCHMARKS, load_benchmark
 from specplug.batch import generate_batch
 from specplug.detokenize import IncrementalDetokenizer
 from specplug.policies import GammaPolicy
@@ -312,24 +313,12 @@ def test_device_check_runs_on_the_cpu(tmp_path):
     """The device check is for an accelerator; on the CPU it runs smaller, so it is known to work."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "device_check.py"
+    script = BENCHMARKS / "device_check.py"
     out = subprocess.run([sys.executable, str(script), "--device", "cpu", "--quick"], capture_output=True,
                          text=True, timeout=1500, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "exactness draft-model batched" in out.stdout and "compare draft-model" in out.stdout
-
-
-def device_check_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "device_check.py"
-    spec = importlib.util.spec_from_file_location("device_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("pace, want", [(0.001, 300), (0.01, 200), (0.1, 50)])
@@ -338,7 +327,7 @@ def test_device_check_draws_what_its_time_allows_and_never_fewer_than_the_least(
     # draws (here at most 300, at least 50), each sample's seed new
     from collections import Counter
 
-    module, now, seeds = device_check_module(), [0.0], []
+    module, now, seeds = load_benchmark("device_check"), [0.0], []
 
     def draw(n, first):
         now[0] += pace * n
@@ -351,7 +340,7 @@ def test_device_check_draws_what_its_time_allows_and_never_fewer_than_the_least(
 
 
 def test_device_check_reports_a_part_that_raises_and_goes_on():
-    rows = device_check_module().Rows()
+    rows = load_benchmark("device_check").Rows()
     rows.section("greedy", lambda: 1 / 0)
     rows.section("compare", lambda: rows(("compare target-only", "1 tok/s", True, 0.0)))
     assert [(check, ok) for check, _, ok, _ in rows.rows] == [("greedy raised", False), ("compare target-only", True)]

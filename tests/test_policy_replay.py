@@ -1,27 +1,18 @@
 """The policy replay (benchmarks/policy_replay.py) follows the engine: a static γ replayed over a recorded trace
 takes the steps the engine took and drafts the tokens it drafted, so a policy's replayed run is the run it
 would have had, priced by a fixed table."""
-import importlib.util
-import sys
 import time
-from pathlib import Path
+from collections import Counter
 
 import pytest
 
 import specplug
+from benchmark_scripts import load_benchmark as load
 from specplug.batch import generate_batch
 from specplug.policies import CostModelPolicy, FixedPolicy
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(", "the cat sat on the mat. the cat", "x = 1\ny = 2\nx = 1\n",
            "hello hello hello"]
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def engine_steps(target, gamma: int, tokens: int, batch_size: int, recorder_class) -> list[dict]:
@@ -78,7 +69,6 @@ def test_the_replay_charges_a_static_gamma_nothing_against_itself_but_a_backlog(
         assert 0.0 <= totals[phase] <= table.catch_up * len(PROMPTS) * (gamma > 0) + 1e-12
 
 
-
 def test_the_replay_splits_a_run_by_the_rows_in_each_step_as_the_engine_ran_them(tiny_target):
     """``--by-rows``: a run's steps and table seconds by the rows in a step add up to the run (a draining batch's
     tail is its steps with fewer rows), with as many steps at each row count as the engine took."""
@@ -88,11 +78,10 @@ def test_the_replay_splits_a_run_by_the_rows_in_each_step_as_the_engine_ran_them
     saved = {"batch_size": 3, "tokens": 24, "runs": [{"variant": "γ=2", "seconds": 1.0, "tokens": 96, "steps": steps}]}
     table, by_rows = replay.CostTable(saved), {}
     goodput = replay.replay(FixedPolicy(2), trace, table, 3, 24, "ngram", by_rows=by_rows)
-    counts = {}
-    for s in steps:
-        counts[s["batch_size"]] = counts.get(s["batch_size"], 0) + 1
+    counts = Counter(s["batch_size"] for s in steps)
     assert {rows: n for rows, (n, _) in by_rows.items()} == counts and len(counts) > 1  # 4 requests, 3 rows: a tail
     assert table.per_run + sum(seconds for _, seconds in by_rows.values()) == pytest.approx(24 * len(PROMPTS) / goodput)
+
 
 def test_the_ab_recorder_times_the_policys_own_calls_and_only_them(tiny_target):
     ab = load("policy_ab")
