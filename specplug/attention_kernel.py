@@ -28,16 +28,9 @@ KERNEL, TORCH = "kernel", "torch"
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[ctypes.CDLL | None, str]:
     """The compiled kernel, or None and why it is not available."""
-    lib, reason = native.build(SOURCE)
-    if lib is None:
-        return None, reason
-    fn = lib.specplug_attend
-    fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 7 + [ctypes.c_int64]
-    fn.restype = ctypes.c_int64
-    lib.specplug_append.argtypes = [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + \
-        [ctypes.c_void_p] * 5
-    lib.specplug_append.restype = None
-    return lib, ""
+    i64, ptr = native.I64, native.PTR
+    return native.bind(SOURCE, {"specplug_attend": ([i64] * 4 + [ptr] * 7 + [i64], ctypes.c_int64),
+                                "specplug_append": ([i64] * 3 + [ptr] * 2 + [i64] * 2 + [ptr] * 5, None)})
 
 
 class Attention:

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import amx_products, attention_kernel, few_rows, int8_products, machine, row_products
+from . import amx_products, attention_kernel, few_rows, int8_products, machine, norm_kernel, row_products
 from .int8_products import Int8Product
 
 # Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
@@ -100,16 +100,21 @@ class LayerCache:
 
 
 class Norm:
-    """HF's LlamaRMSNorm (normalise in float32, cast back, scale), in one fused op where x is float32."""
+    """HF's LlamaRMSNorm (normalise in float32, cast back, scale), in one call where x is float32: the norm
+    kernel's where the machine chose it (:mod:`specplug.norm_kernel`), else torch's fused op."""
 
-    __slots__ = ("weight", "shape", "eps")
+    __slots__ = ("weight", "shape", "eps", "kernel")
 
     def __init__(self, norm: torch.nn.Module):
         self.weight, self.shape = norm.weight, tuple(norm.weight.shape)
         self.eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+        # the weight's dtype is the activations' (see LeanLayer.new_cache): float32 rows where it is float32
+        self.kernel = norm_kernel.choose(norm.weight, self.eps, norm.weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
+            if self.kernel is not None:
+                return self.kernel(x)
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
 

@@ -53,6 +53,20 @@ def build(source: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"cannot load {target}: {err}"
 
 
+I64, PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def bind(source: str, signatures: dict[str, tuple[list, object]]) -> tuple[ctypes.CDLL | None, str]:
+    """:func:`build` ``source`` and declare each named function's (argument types, result type) for ctypes; or
+    None and why the library is not available."""
+    lib, reason = build(source)
+    if lib is None:
+        return None, reason
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib, ""
+
 def _compile(compiler: str, source: Path, target: Path) -> tuple[str, bool]:
     """Build ``source`` into ``target``: ("", _) or why not, and whether the compiler itself refused."""
     try:

@@ -29,13 +29,8 @@ CHECKED_ROWS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 80)  # across the kernel
 @functools.lru_cache(maxsize=1)
 def load() -> tuple[ctypes.CDLL | None, str]:
     """The compiled kernel, or None and why not."""
-    lib, reason = native.build(SOURCE)
-    if lib is None:
-        return None, reason
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.specplug_rows_f32.argtypes = [i64, i64, i64, ptr, ptr, ptr, ptr]
-    lib.specplug_rows_f32.restype = None
-    return lib, ""
+    i64, ptr = native.I64, native.PTR
+    return native.bind(SOURCE, {"specplug_rows_f32": ([i64, i64, i64, ptr, ptr, ptr, ptr], None)})
 
 
 class RowProduct:

@@ -45,6 +45,26 @@ def tree_stays_clean():
         pytest.fail("tests wrote outside their temporary directories:\n" + "\n".join(written), pytrace=False)
 
 
+@pytest.fixture
+def without_a_compiler(monkeypatch):
+    """A machine with no C compiler, as specplug finds one: every kernel's library is looked for afresh (and again
+    after the test), and no machine choice is remembered."""
+    from specplug import attention_kernel, machine, native, norm_kernel, row_products
+
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    loads = (native.build, attention_kernel.load, norm_kernel.load, row_products.load)
+
+    def forget():
+        for load in loads:
+            load.cache_clear()
+        machine.forget()
+
+    forget()
+    yield "/nonexistent/cc"
+    forget()
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """A target and a draft sharing a byte-level BPE tokenizer (text prompts, stop strings)."""

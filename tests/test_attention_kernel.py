@@ -3,6 +3,7 @@ machine without a compiler runs torch's form and says why."""
 import pytest
 import torch
 
+from greedy_rows import assert_batched_greedy_rows_equal_target_only, pinned_forms
 from specplug import attention_kernel, machine, native
 
 
@@ -75,24 +76,14 @@ def test_lean_layers_run_the_kernel_or_say_why_not(tiny_dirs):
     assert uses_kernel == (lib is not None and choices[-1].value == attention_kernel.KERNEL)
 
 
-def test_without_a_compiler_attention_runs_torch_form_and_names_the_reason(monkeypatch):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
-    native.build.cache_clear()
-    attention_kernel.load.cache_clear()
-    machine.forget()
-    try:
-        chosen = attention_kernel.choose(8, 8, 64, torch.float32, "cpu", _by_torch)
-        assert chosen is None
-        [choice] = [c for c in machine.machine_choices() if c.name == attention_kernel.CHOICE]
-        assert choice.value == attention_kernel.TORCH and "/nonexistent/cc" in choice.why
-        monkeypatch.setenv(machine.OVERRIDE_ENV, "attention=kernel")
-        with pytest.raises(ValueError, match="attention=kernel is pinned"):
-            attention_kernel.choose(8, 8, 64, torch.float32, "cpu", _by_torch)
-    finally:
-        native.build.cache_clear()
-        attention_kernel.load.cache_clear()
-        machine.forget()
+def test_without_a_compiler_attention_runs_torch_form_and_names_the_reason(without_a_compiler, monkeypatch):
+    chosen = attention_kernel.choose(8, 8, 64, torch.float32, "cpu", _by_torch)
+    assert chosen is None
+    [choice] = [c for c in machine.machine_choices() if c.name == attention_kernel.CHOICE]
+    assert choice.value == attention_kernel.TORCH and without_a_compiler in choice.why
+    monkeypatch.setenv(machine.OVERRIDE_ENV, "attention=kernel")
+    with pytest.raises(ValueError, match="attention=kernel is pinned"):
+        attention_kernel.choose(8, 8, 64, torch.float32, "cpu", _by_torch)
 
 
 def test_attention_kernel_is_not_used_where_it_does_not_apply():
@@ -108,20 +99,11 @@ def test_torchs_attention_form_keeps_batched_speculative_greedy_rows_equal_to_ta
     the lean forward; a machine with a compiler checks that form here."""
     import specplug
 
-    monkeypatch.setenv(machine.OVERRIDE_ENV, "attention=torch")
-    machine.forget()
-    try:
+    with pinned_forms(monkeypatch, "attention=torch"):
         target = specplug.Target.from_pretrained(tiny_dirs["target"])
         assert target.lean is not None and target.lean.layers[0].kernel is None
         options = {"target": target, "model": str(tiny_dirs["draft"])} if name == "draft-model" else {}
-        prompts = ["def add(a, b):", "hello hello hello", "for i in range(10):"]
-        batch = specplug.generate_batch(target, specplug.get_proposer(name, **options), prompts, max_new_tokens=40,
-                                        sampling=specplug.GREEDY, num_speculative_tokens=4, strict=True)
-        for prompt, got in zip(prompts, batch):
-            want = specplug.generate(target, None, prompt, max_new_tokens=40, sampling=specplug.GREEDY)
-            assert got.tokens == want.tokens
-    finally:
-        machine.forget()
+        assert_batched_greedy_rows_equal_target_only(target, specplug.get_proposer(name, **options))
 
 
 def test_a_source_the_compiler_refuses_is_not_compiled_again_but_a_timeout_is_retried(tmp_path, monkeypatch):

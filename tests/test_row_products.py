@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import specplug
-from specplug import few_rows, machine, native, row_products
+from specplug import few_rows, machine, row_products
 from specplug.lean_llama import Product
 from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
 
@@ -72,18 +72,10 @@ def test_a_kernel_whose_rows_differ_from_one_row_products_is_not_used(monkeypatc
         row_products.choose(weight)
 
 
-def test_without_a_compiler_float32_products_run_through_few_rows_and_say_why(monkeypatch):
-    monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
-    native.build.cache_clear()
-    row_products.load.cache_clear()
-    try:
-        assert Product(torch.randn(64, 64)).tiles is None
-        [choice] = [c for c in machine.machine_choices() if c.name == row_products.CHOICE]
-        assert choice.value == row_products.TORCH and "/nonexistent/cc" in choice.why
-    finally:
-        native.build.cache_clear()
-        row_products.load.cache_clear()
+def test_without_a_compiler_float32_products_run_through_few_rows_and_say_why(without_a_compiler):
+    assert Product(torch.randn(64, 64)).tiles is None
+    [choice] = [c for c in machine.machine_choices() if c.name == row_products.CHOICE]
+    assert choice.value == row_products.TORCH and without_a_compiler in choice.why
 
 
 def test_pinning_torch_keeps_float32_products_off_the_kernel(monkeypatch):
