@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+import transformers.activations
 
 from . import amx_products, attention_kernel, few_rows, int8_products, machine, norm_kernel, row_products
 from .int8_products import Int8Product
@@ -117,6 +118,10 @@ class Norm:
                 return self.kernel(x)
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+
+
+# modules whose forward is F.silu: called as the function, a step saves ~0.13 ms of module dispatch (6 calls)
+_SILU_MODULES = tuple(c for c in (torch.nn.SiLU, getattr(transformers.activations, "SiLUActivation", None)) if c)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -253,7 +258,7 @@ class LeanLayer:
         # the modules' own weights, called directly: the same arithmetic as their (few_rows) forward
         self.o = Product(attn.o_proj.weight, attn.o_proj.bias, one_row_copy=copy, int8=int8)
         self.down = Product(mlp.down_proj.weight, mlp.down_proj.bias, one_row_copy=copy, int8=int8)
-        self.act = F.silu if type(mlp.act_fn) is torch.nn.SiLU else mlp.act_fn
+        self.act = F.silu if type(mlp.act_fn) in _SILU_MODULES else mlp.act_fn
         self.norm_in, self.norm_post = Norm(layer.input_layernorm), Norm(layer.post_attention_layernorm)
         w = layer.input_layernorm.weight  # the caches' dtype (see new_cache)
         # one form for every path of this layer (steps, verify passes, rows, tree nodes): they must round alike
