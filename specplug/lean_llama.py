@@ -109,8 +109,7 @@ class Norm:
     def __init__(self, norm: torch.nn.Module):
         self.weight, self.shape = norm.weight, tuple(norm.weight.shape)
         self.eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-        # the weight's dtype is the activations' (see LeanLayer.new_cache): float32 rows where it is float32
-        self.kernel = norm_kernel.choose(norm.weight, self.eps, norm.weight.dtype)
+        self.kernel = norm_kernel.choose(norm.weight, self.eps)  # the weight's dtype is the rows' (new_cache)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

@@ -67,6 +67,7 @@ def bind(source: str, signatures: dict[str, tuple[list, object]]) -> tuple[ctype
         fn.argtypes, fn.restype = argtypes, restype
     return lib, ""
 
+
 def _compile(compiler: str, source: Path, target: Path) -> tuple[str, bool]:
     """Build ``source`` into ``target``: ("", _) or why not, and whether the compiler itself refused."""
     try:

@@ -50,21 +50,22 @@ class RmsNorm:
         return out
 
 
-def supports(weight: torch.Tensor, x_dtype: torch.dtype) -> str:
-    """"" where the kernel can normalise rows of ``x_dtype`` with this weight, else why not."""
+def supports(weight: torch.Tensor) -> str:
+    """"" where the kernel can normalise rows with this weight (the lean forward's rows share its dtype), else
+    why not."""
     if weight.device.type != "cpu":
         return f"the norm kernel runs on the CPU, not {weight.device.type}"
-    if weight.dtype != torch.float32 or x_dtype != torch.float32:
-        return f"the norm kernel takes float32 rows and weights, not {x_dtype} rows with a {weight.dtype} weight"
+    if weight.dtype != torch.float32:
+        return f"the norm kernel takes float32 rows and weights, not {weight.dtype}"
     return load()[1]
 
 
-def choose(weight: torch.Tensor, eps: float, x_dtype: torch.dtype) -> RmsNorm | None:
+def choose(weight: torch.Tensor, eps: float) -> RmsNorm | None:
     """The kernel's norm for this weight, or None for torch's ``F.rms_norm``: decided once per size and machine,
     and recorded with the reason."""
     key = f"{weight.numel()} {str(weight.dtype).removeprefix('torch.')} {weight.device.type}"
     pinned = machine.overrides().get(CHOICE)
-    reason = supports(weight, x_dtype)
+    reason = supports(weight)
     if reason:
         if pinned == KERNEL:
             raise ValueError(f"{machine.OVERRIDE_ENV}: {CHOICE}={KERNEL} is pinned, but {reason}")
@@ -82,9 +83,10 @@ def choose(weight: torch.Tensor, eps: float, x_dtype: torch.dtype) -> RmsNorm | 
     with torch.inference_mode():
         got, want = kernel(x), F.rms_norm(x, shape, weight, eps)
         alone = torch.cat([kernel(x[i:i + 1]) for i in range(x.shape[0])])
-    if not torch.allclose(got, want, atol=1e-5, rtol=1e-5) or not torch.equal(got, alone):
-        why = ("its rows differ from one-row calls" if not torch.equal(got, alone) else
-               f"it differs from torch's rms_norm by {float((got - want).abs().max()):.2g} on a probe")
+    why = ("its rows differ from one-row calls" if not torch.equal(got, alone) else
+           "" if torch.allclose(got, want, atol=1e-5, rtol=1e-5) else
+           f"it differs from torch's rms_norm by {float((got - want).abs().max()):.2g} on a probe")
+    if why:
         if pinned == KERNEL:
             raise ValueError(f"{machine.OVERRIDE_ENV}: {CHOICE}={KERNEL} is pinned, but {why}")
         machine.record(CHOICE, key, TORCH, why, "kernel")

@@ -67,7 +67,6 @@ def test_rows_whose_output_is_not_read_still_fill_the_cache_as_a_full_pass_does(
     assert states[len(lean.layers)].shape[0] == 3 and logits.shape[0] == 1
 
 
-
 def test_a_silu_activation_module_runs_as_the_function_it_wraps(tiny_dirs):
     """transformers' SiLUActivation (and torch's SiLU) only call F.silu: a layer calls the function, not the
     module, whose dispatch cost ~0.13 ms of a one-row step; any other activation runs as the model's own."""
@@ -80,6 +79,7 @@ def test_a_silu_activation_module_runs_as_the_function_it_wraps(tiny_dirs):
     assert layer.act is F.silu
     model.model.layers[1].mlp.act_fn = torch.nn.GELU()
     assert isinstance(lean_llama.LeanLayer(model.model.layers[1]).act, torch.nn.GELU)
+
 
 def test_one_row_copies_change_only_the_layout_of_products(tiny_dirs):
     """A drafter's column-major one-row copies: the same logits (to float rounding) through steps and

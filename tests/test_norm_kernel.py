@@ -52,18 +52,18 @@ def test_pinning_torchs_norm_runs_it_and_pinning_the_kernel_where_it_cannot_run_
     machine.forget()
     try:
         monkeypatch.setenv(machine.OVERRIDE_ENV, "rms_norm=torch")
-        assert norm_kernel.choose(torch.ones(64), 1e-5, torch.float32) is None
+        assert norm_kernel.choose(torch.ones(64), 1e-5) is None
         [choice] = [c for c in machine.machine_choices() if c.name == norm_kernel.CHOICE]
         assert choice.value == norm_kernel.TORCH and choice.source == "override"
         monkeypatch.setenv(machine.OVERRIDE_ENV, "rms_norm=kernel")
         with pytest.raises(ValueError, match="rms_norm=kernel is pinned, but .*bfloat16"):
-            norm_kernel.choose(torch.ones(64, dtype=torch.bfloat16), 1e-5, torch.bfloat16)
+            norm_kernel.choose(torch.ones(64, dtype=torch.bfloat16), 1e-5)
     finally:
         machine.forget()
 
 
 def test_without_a_compiler_the_norm_runs_torchs_form_and_names_the_reason(without_a_compiler):
-    assert norm_kernel.choose(torch.ones(64), 1e-5, torch.float32) is None
+    assert norm_kernel.choose(torch.ones(64), 1e-5) is None
     [choice] = [c for c in machine.machine_choices() if c.name == norm_kernel.CHOICE]
     assert choice.value == norm_kernel.TORCH and without_a_compiler in choice.why
 
