@@ -1,6 +1,7 @@
 """float32 products through the rows kernel: every row of any product is its one-row product, close to torch's
 product, and where the kernel cannot run (no compiler, rows that drift, a pinned choice) few_rows' products run
-and the reason is recorded; the zoo's greedy speculative output stays target-only's on it."""
+and the reason is recorded; a weight that 16 bits hold exactly is read in 16 bits with the float32 reads' bits;
+the zoo's greedy speculative output stays target-only's on it."""
 import pytest
 import torch
 
@@ -10,11 +11,22 @@ from specplug.lean_llama import Product
 from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
 
 
-def _kernel(weight: torch.Tensor, bias: torch.Tensor | None = None) -> row_products.RowProduct:
+def _kernel(weight: torch.Tensor, bias: torch.Tensor | None = None,
+            narrow: torch.Tensor | None = None) -> row_products.RowProduct:
     lib, reason = row_products.load()
     if lib is None:
         pytest.skip(reason)  # no C compiler here: the fallback is tested below
-    return row_products.RowProduct(lib, weight, bias)
+    return row_products.RowProduct(lib, weight, bias, narrow)
+
+
+def _held_in(dtype: torch.dtype, out_features: int, in_features: int) -> torch.Tensor:
+    """A float32 weight that ``dtype`` holds exactly, with that dtype's extremes in every column: subnormals,
+    its largest finite values, zeros of both signs."""
+    w = few_rows.sensitive_inputs(out_features, in_features, torch.float32, "cpu", False)[0]
+    info = torch.finfo(dtype)
+    extremes = torch.tensor([info.smallest_normal / 8, -info.smallest_normal / 2, info.max / 2 ** 20, 0.0, -0.0])
+    w[::7] = extremes.repeat(in_features // 5 + 1)[:in_features]
+    return w.to(dtype).float()
 
 
 @pytest.mark.parametrize("out_features,in_features,bias", [(7, 5, False), (33, 100, True), (512, 1536, True)])
@@ -96,3 +108,63 @@ def test_greedy_speculative_output_on_the_kernel_equals_target_only_single_and_b
                                   num_speculative_tokens=6, strict=True)
     assert [r.tokens for r in got] == want
     assert all(r.stats.accepted_tokens > 0 for r in got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("out_features", [45, 47])
+def test_a_weight_read_in_16_bits_gives_the_float32_reads_bits_in_every_row(dtype, out_features):
+    """131 inputs: 16 blocks of 8 read as vectors and a tail of 3 read one by one, so both widenings are
+    checked, on rows that expose any change of summation order; every row is still its one-row product."""
+    weight = _held_in(dtype, out_features, 131)
+    b = torch.randn(out_features)
+    x = few_rows.sensitive_inputs(out_features, 131, torch.float32, "cpu", False)[1]
+    full, read16 = _kernel(weight, b), _kernel(weight, b, weight.to(dtype))
+    one = torch.cat([read16(x[i:i + 1]) for i in range(x.shape[0])])
+    for rows in (1, 2, 3, 4, 5, 9, 16, x.shape[0]):
+        assert torch.equal(read16(x[:rows]), full(x[:rows])), rows
+        assert torch.equal(read16(x[:rows]), one[:rows]), rows
+
+
+def test_the_16_bit_copy_is_the_dtype_that_holds_the_weight_exactly_or_none():
+    g = torch.Generator().manual_seed(0)
+    half = torch.randn(8, 8, generator=g).half().float()
+    assert row_products.exact_16bit(half).dtype == torch.float16
+    bf16_only = half.bfloat16().float() * 2.0 ** 40  # beyond half's range, within bfloat16's
+    assert row_products.exact_16bit(bf16_only).dtype == torch.bfloat16
+    assert row_products.exact_16bit(torch.randn(8, 8, generator=g)) is None
+
+
+def test_a_16_bit_checkpoints_float32_weight_is_read_in_16_bits_and_says_so():
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).half().float()
+    if row_products.supports(weight):
+        pytest.skip(row_products.supports(weight))
+    product = Product(weight)
+    assert product.tiles.narrow.dtype == torch.float16 and product.nbytes() == 64 * 64 * 2
+    [choice] = [c for c in machine.machine_choices() if c.name == row_products.READS]
+    assert choice.value in (row_products.SIXTEEN, row_products.FLOAT32) and "float16 64x64" in choice.key
+    float32_trained = Product(torch.randn(64, 64))
+    assert float32_trained.tiles.narrow is None and float32_trained.nbytes() == 0
+
+
+def test_pinning_float32_reads_keeps_no_16_bit_copy(monkeypatch):
+    monkeypatch.setenv(machine.OVERRIDE_ENV, f"{row_products.READS}={row_products.FLOAT32}")
+    weight = torch.randn(64, 64).half().float()
+    if row_products.supports(weight):
+        pytest.skip(row_products.supports(weight))
+    assert row_products.choose(weight).narrow is None
+
+
+def test_16_bit_reads_that_differ_from_the_float32_reads_are_not_used(monkeypatch):
+    weight = torch.randn(64, 64).half().float()
+    if row_products.supports(weight):
+        pytest.skip(row_products.supports(weight))
+    real = row_products.RowProduct.__call__
+
+    def off_by_a_bit(self, x):  # a widening that rounds
+        y = real(self, x)
+        return y if self.narrow is None else y * (1 + 2.0 ** -22)
+
+    monkeypatch.setattr(row_products.RowProduct, "__call__", off_by_a_bit)
+    assert row_products.choose(weight).narrow is None
+    [choice] = [c for c in machine.machine_choices() if c.name == row_products.READS]
+    assert choice.value == row_products.FLOAT32 and "differ" in choice.why
