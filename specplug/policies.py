@@ -89,6 +89,7 @@ TIE = 0.01
 CATCH_UP_SHARE = 1 / 32
 PROPOSER_DECAY = 0.95  # weight of older steps in a proposer's running rates (across its requests)
 REACH_RELAX = 0.99  # per step, a depth the policy did not ask for moves its reach this much less from 1
+THEN_RELAX = 0.9  # per one-token draft, a later-token rate below the first-token rate keeps this much of the gap
 LINE_DECAY = 0.95  # weight of older drafting steps in the fixed + per-pass fit (slower than α's: k must vary)
 
 
@@ -529,6 +530,12 @@ def _age(sums: list[float], steps: int, decay: float) -> None:
     if steps and sums[1] > 1.0:
         keep = max(decay ** steps, 1.0 / sums[1])
         sums[0], sums[1] = keep * sums[0], keep * sums[1]
+
+
+def _relax(sums: list[float], toward: float, keep: float) -> None:
+    """Move the rate of the [successes, trials] pair ``sums`` to ``toward`` by 1 − ``keep`` of the way, its weight
+    unchanged."""
+    sums[0] = keep * sums[0] + (1 - keep) * toward * sums[1]
 
 
 def _ewma(old: float, new: float, decay: float) -> float:
@@ -1058,6 +1065,10 @@ class CostModelPolicy(GammaPolicy):
         state["successes"] = self.decay * state["successes"] + accepted
         state["trials"] = self.decay * state["trials"] + trials
         _count_rates(state["first"], state["then"], accepted, proposed, self.rate_decay)
+        first = state["first"][0] / state["first"][1]
+        if proposed == 1 and state["then"][0] < first * state["then"][1]:
+            # a one-token draft never measures the later-token rate that chose it: a low reading would stick
+            _relax(state["then"], first, THEN_RELAX)
         # the proposer's running rates, ratios of decayed sums as per request: a mean of per-step ratios
         # accepted / trials is biased low
         proposer = seq.scratch.get("proposer", "")

@@ -643,6 +643,16 @@ def test_a_spell_of_short_drafts_does_not_keep_the_cost_model_short_for_good(tin
     assert chosen[-100:] == [8] * 100
 
 
+def test_early_rejections_of_a_second_draft_do_not_keep_the_cost_model_at_one_token_for_good(tiny_target):
+    """The first 12 steps reject every draft after the first, then every draft is accepted (an MTP head whose
+    second position starts badly). Drafting one token never measures the later-token rate that chose it, so
+    that rate must move back towards the first-token rate while the policy drafts one token, or k = 1 sticks."""
+    policy = CostModelPolicy(max_gamma=8, costs=ControlledCosts(), probe_every=1000)
+    chosen = drive_one_request(policy, tiny_target, 200, accepted=lambda step, d: min(d, 1) if step < 12 else d)
+    assert chosen[6:12].count(1) >= 3  # the bad start does push it to one token
+    assert chosen[-50:] == [8] * 50
+
+
 def test_cost_model_measures_a_stale_dear_choice_again_so_one_unlucky_measurement_does_not_stick(tiny_target):
     truth = {1: 0.010, 2: 0.0105, 3: 0.011, 4: 0.0115, 5: 0.012}.get
     policy = CostModelPolicy(max_gamma=4, probe_every=1000)
