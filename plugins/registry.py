@@ -16,7 +16,7 @@ ENTRY_POINT_GROUP = "specplug"
 # Built-ins are plugins too: modules with a @hookimpl, loaded exactly like third-party ones.
 BUILTIN_PLUGINS = ("specplug.policies", "specplug.proposers.draft_model", "specplug.proposers.ngram",
                    "specplug.proposers.eagle", "specplug.proposers.eagle3", "specplug.proposers.mtp",
-                   "specplug.proposers.suffix")
+                   "specplug.proposers.suffix", "specplug.proposers.fallback")
 
 
 @dataclass(frozen=True)

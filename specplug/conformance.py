@@ -235,7 +235,13 @@ def registry_factory(name: str, options: dict) -> ProposerFactory:
     defaults = dict(getattr(info.factory, "conformance_options", {})) if info else {}
 
     def factory(target: Target, draft_dir: Path) -> Proposer:
-        opts = {k: (draft_dir if v == "@kit-draft" else v) for k, v in {**defaults, **options}.items()}
-        return get_proposer(name, target=target, **opts)
+        return get_proposer(name, target=target, **_with_kit_draft({**defaults, **options}, draft_dir))
 
     return factory
+
+
+def _with_kit_draft(options: dict, draft_dir: Path) -> dict:
+    """``options`` with every ``"@kit-draft"`` value, also inside nested option dicts (a composite proposer's),
+    replaced by the kit's draft directory."""
+    return {k: draft_dir if v == "@kit-draft" else _with_kit_draft(v, draft_dir) if isinstance(v, dict) else v
+            for k, v in options.items()}
