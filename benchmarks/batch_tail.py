@@ -1,10 +1,10 @@
 """Where a wave's time goes when every request starts together: prefill, the full batch, and its draining tail.
 
     python benchmarks/batch_tail.py [--target zoo:pycode] [--batch-size 16] [--tokens 128] [--repeats 3]
-                                    [-p ngram:2 -p draft-model:4 ...]
+                                    [-p ngram:2 -p draft-model:4 -p draft-model:cost-model ...]
 
 Decodes ``--batch-size`` held-out HumanEval prompts at once (one wave: every row joins at the first step), greedy,
-target-only and each ``-p NAME:γ`` interleaved per repeat, and prints medians: goodput and its ratio to
+target-only and each ``-p NAME:γ`` (or ``NAME:POLICY``, a registered γ policy, fresh each run) interleaved per repeat, and prints medians: goodput and its ratio to
 target-only, the prefill, the steps taken with every row live and their time, the steps after the first row
 finished (the tail) and theirs, and each row's step count (min / median / max). Speculation shortens rows by
 different amounts, so the wave lasts as long as its slowest row; the tail's steps run fewer rows than the
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import specplug
 from specplug.bench.workloads import humaneval_prompts
+from specplug.plugins import get_policy, list_policies
 
 
 @dataclass
@@ -55,19 +56,23 @@ def split(results: list[specplug.GenerationResult], wall: float) -> Wave:
                 tail_steps=len(longest) - full, tail_time=sum(longest[full:]), row_steps=sorted(row_steps))
 
 
-def run_wave(target, proposer, prompts: list[str], gamma: int, tokens: int) -> Wave:
+def run_wave(target, proposer, prompts: list[str], gamma: int | str, tokens: int) -> Wave:
+    """One wave; ``gamma`` a fixed γ or a registered policy's name (a fresh policy)."""
+    policy = gamma if isinstance(gamma, int) else get_policy(gamma)
     t0 = time.perf_counter()
     results = specplug.generate_batch(target, proposer, prompts, max_new_tokens=tokens, sampling=specplug.GREEDY,
-                                      num_speculative_tokens=gamma)
+                                      num_speculative_tokens=policy)
     return split(results, time.perf_counter() - t0)
 
 
-def parse_variant(spec: str) -> tuple[str, int]:
-    """``NAME:γ`` -> (NAME, γ)."""
+def parse_variant(spec: str) -> tuple[str, int | str]:
+    """``NAME:γ`` -> (NAME, γ); ``NAME:POLICY`` -> (NAME, POLICY) for a registered γ policy."""
     name, _, gamma = spec.rpartition(":")
-    if not name or not gamma.isdigit():
-        raise argparse.ArgumentTypeError(f"expected NAME:γ (e.g. ngram:2), got {spec!r}")
-    return name, int(gamma)
+    if name and gamma.isdigit():
+        return name, int(gamma)
+    if name and gamma in list_policies():
+        return name, gamma
+    raise argparse.ArgumentTypeError(f"expected NAME:γ or NAME:POLICY (e.g. ngram:2, ngram:cost-model), got {spec!r}")
 
 
 def median_wave(waves: list[Wave]) -> Wave:
@@ -82,7 +87,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("-p", "--proposer", dest="variants", action="append", type=parse_variant,
-                        help="NAME:γ (repeatable); default ngram:2 and draft-model:4")
+                        help="NAME:γ or NAME:POLICY (repeatable); default ngram:2 and draft-model:4")
     args = parser.parse_args()
     variants = args.variants or [("ngram", 2), ("draft-model", 4)]
     target = specplug.Target.from_pretrained(args.target)
@@ -92,7 +97,7 @@ def main() -> None:
     for _ in range(args.repeats):
         runs.setdefault("target-only", []).append(run_wave(target, None, prompts, 0, args.tokens))
         for name, gamma in variants:
-            runs.setdefault(f"{name} γ{gamma}", []).append(
+            runs.setdefault(f"{name} {gamma if isinstance(gamma, str) else f'γ{gamma}'}", []).append(
                 run_wave(target, proposers[name], prompts, gamma, args.tokens))
     base = median_wave(runs["target-only"]).goodput
     print(f"{args.target}, one wave of {args.batch_size} requests x {args.tokens} tokens, greedy, "

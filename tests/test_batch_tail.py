@@ -40,7 +40,13 @@ def test_a_real_wave_counts_every_row_and_token(tiny_target):
     assert 0 < wave.prefill + wave.full_time + wave.tail_time <= wave.wall
 
 
+@pytest.mark.parametrize("spec, parsed", [("ngram:2", ("ngram", 2)),
+                                          ("draft-model:cost-model", ("draft-model", "cost-model"))])
+def test_a_variant_is_a_proposer_with_a_gamma_or_a_policy(spec, parsed):
+    assert tail.parse_variant(spec) == parsed
+
+
 @pytest.mark.parametrize("spec", ["ngram", "ngram:x", ":4"])
-def test_a_variant_without_a_gamma_is_refused(spec):
-    with pytest.raises(argparse.ArgumentTypeError, match="NAME:γ"):
+def test_a_variant_without_a_gamma_or_policy_is_refused(spec):
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME:γ or NAME:POLICY"):
         tail.parse_variant(spec)
