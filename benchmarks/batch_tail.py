@@ -4,12 +4,12 @@
                                     [-p ngram:2 -p draft-model:4 -p draft-model:cost-model ...]
 
 Decodes ``--batch-size`` held-out HumanEval prompts at once (one wave: every row joins at the first step), greedy,
-target-only and each ``-p NAME:γ`` (or ``NAME:POLICY``, a registered γ policy, fresh each run) interleaved per repeat, and prints medians: goodput and its ratio to
-target-only, the prefill, the steps taken with every row live and their time, the steps after the first row
-finished (the tail) and theirs, and each row's step count (min / median / max). Speculation shortens rows by
-different amounts, so the wave lasts as long as its slowest row; the tail's steps run fewer rows than the
-machine could take at the same cost. ``if no tail`` prices the wave as if the tail's steps were free, an upper
-bound on what any rule could win back there.
+target-only and each ``-p NAME:γ`` (or ``NAME:POLICY``, a registered γ policy, fresh each run) interleaved per
+repeat, and prints medians: goodput and its ratio to target-only, the prefill, the steps taken with every row live
+and their time, the steps after the first row finished (the tail) and theirs, and each row's step count (min /
+median / max). Speculation shortens rows by different amounts, so the wave lasts as long as its slowest row; the
+tail's steps run fewer rows than the machine could take at the same cost. ``if no tail`` prices the wave as if
+the tail's steps were free, an upper bound on what any rule could win back there.
 """
 from __future__ import annotations
 
