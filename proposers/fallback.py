@@ -76,7 +76,11 @@ def _build(get_proposer, role: str, name: str, target, options: dict | None) -> 
     try:
         return get_proposer(name, target=target, **(options or {}))
     except (TypeError, ValueError, LookupError) as exc:  # bad names and options: say which of the two
-        raise type(exc)(f"fallback: {role}={name!r}: {exc}") from exc
+        try:
+            named = type(exc)(f"fallback: {role}={name!r}: {exc}")
+        except Exception:  # an error type built from other arguments stays as it was
+            raise exc from None
+        raise named from exc
 
 
 def _batch(proposer: Proposer, seqs: Sequence[SequenceState], ks: Sequence[int]) -> list[Proposal]:

@@ -141,3 +141,13 @@ def test_a_step_neither_proposer_drafts_is_a_plain_target_step(small_target):
                                sampling=sampling)
     reference = specplug.generate(small_target, None, PROMPT, max_new_tokens=4, sampling=sampling)
     assert result.tokens == reference.tokens and result.stats.draft_tokens == 0
+
+
+def test_an_error_that_cannot_be_renamed_reaches_the_caller_as_it_was():
+    from specplug.proposers import fallback as module
+
+    def factory(name, **options):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    with pytest.raises(UnicodeDecodeError, match="invalid start byte"):
+        module._build(factory, "then", "draft-model", None, None)
