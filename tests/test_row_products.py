@@ -99,8 +99,8 @@ def test_pinning_torch_keeps_float32_products_off_the_kernel(monkeypatch):
 def test_greedy_speculative_output_on_the_kernel_equals_target_only_single_and_batched():
     target = specplug.Target.from_pretrained("zoo:pycode", matmul_dtype="float32")
     kernels = {type(p.tiles).__name__ for layer in target.lean.layers for p in layer.products()}
-    if kernels != {"RowProduct"}:
-        pytest.skip(f"the target's products are not on the rows kernel here: {kernels}")
+    if "RowProduct" not in kernels:  # each weight's form is the machine's choice; a mix must keep greedy rows too
+        pytest.skip(f"none of the target's products is on the rows kernel here: {kernels}")
     prompts = ["def parse(text):\n", "import os\n", "class Stack:\n", "for i in range(10):\n"]
     want = [specplug.generate(target, None, p, max_new_tokens=48, sampling=specplug.GREEDY).tokens for p in prompts]
     proposer = specplug.get_proposer("draft-model", target=target)
