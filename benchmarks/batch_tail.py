@@ -4,12 +4,12 @@
                                     [-p ngram:2 -p draft-model:4 -p draft-model:cost-model ...]
 
 Decodes ``--batch-size`` held-out HumanEval prompts at once (one wave: every row joins at the first step), greedy,
-target-only and each ``-p NAME:γ`` (or ``NAME:POLICY``, a registered γ policy, fresh each run) interleaved per
-repeat, and prints medians: goodput and its ratio to target-only, the prefill, the steps taken with every row live
-and their time, the steps after the first row finished (the tail) and theirs, and each row's step count (min /
-median / max). Speculation shortens rows by different amounts, so the wave lasts as long as its slowest row; the
-tail's steps run fewer rows than the machine could take at the same cost. ``if no tail`` prices the wave as if
-the tail's steps were free, an upper bound on what any rule could win back there.
+target-only and each ``-p NAME:γ`` (or ``NAME:POLICY``, a registered γ policy; proposer and policy fresh each
+run) interleaved per repeat, and prints medians: goodput and its ratio to target-only, the prefill, the steps
+taken with every row live and their time, the steps after the first row finished (the tail) and theirs, and each
+row's step count (min / median / max). Speculation shortens rows by different amounts, so the wave lasts as long
+as its slowest row; the tail's steps run fewer rows than the machine could take at the same cost. ``if no tail``
+prices the wave as if the tail's steps were free, an upper bound on what any rule could win back there.
 """
 from __future__ import annotations
 
@@ -92,13 +92,15 @@ def main() -> None:
     variants = args.variants or [("ngram", 2), ("draft-model", 4)]
     target = specplug.Target.from_pretrained(args.target)
     prompts = humaneval_prompts(args.batch_size)
-    proposers = {name: specplug.get_proposer(name, target=target) for name, _ in variants}
     runs: dict[str, list[Wave]] = {}
     for _ in range(args.repeats):
         runs.setdefault("target-only", []).append(run_wave(target, None, prompts, 0, args.tokens))
         for name, gamma in variants:
+            # a fresh proposer per run, as compare builds them: suffix's cache would otherwise hold these very
+            # prompts' outputs from the run before
+            proposer = specplug.get_proposer(name, target=target)
             runs.setdefault(f"{name} {gamma if isinstance(gamma, str) else f'γ{gamma}'}", []).append(
-                run_wave(target, proposers[name], prompts, gamma, args.tokens))
+                run_wave(target, proposer, prompts, gamma, args.tokens))
     base = median_wave(runs["target-only"]).goodput
     print(f"{args.target}, one wave of {args.batch_size} requests x {args.tokens} tokens, greedy, "
           f"medians of {args.repeats}")
