@@ -22,7 +22,7 @@ from specplug.drafting_products import drafting_weights
 from specplug.drafting_vocab import Projection, read_ranks, same_subset, sampled_or_greedy, vocab_subset
 from specplug.plugins.hookspecs import hookimpl
 from specplug.lean_llama import LeanCache, Product, lean_or_reason
-from specplug.sampling import draw, multinomial
+from specplug.sampling import argmax_ids, draw, multinomial
 from specplug.target import KVState, Target, load_causal_lm, load_tokenizer
 from specplug.tree_drafting import (GrowingTree, grow_tree, node_budget, tree_budget, tree_width_checked,
                                     visible_rows)
@@ -263,9 +263,8 @@ class DraftModelProposer(Proposer):
                 first = False
             stopped = set()
             if all(seqs[j].sampling.greedy for j in live):  # one argmax for all rows
-                best = logits.float().argmax(-1)
-                subset = projection.subset
-                for j, token in zip(live, (best if subset is None else subset[best]).tolist()):
+                best, subset = argmax_ids(logits), projection.subset
+                for j, token in zip(live, best if subset is None else subset[best].tolist()):
                     tokens[j].append(token)
                 if self.stop_below:
                     top = torch.softmax(logits.float(), -1).amax(-1).tolist()

@@ -36,7 +36,7 @@ from specplug.drafting_vocab import (full_q, projection_onto, read_ranks, same_s
 from specplug.drafting_products import drafting_weights, linear_shapes
 from specplug.lean_llama import Product
 from specplug.plugins.hookspecs import hookimpl
-from specplug.sampling import processed_probs, sample_rows
+from specplug.sampling import argmax_ids, processed_probs, sample_rows
 from specplug.tree_drafting import best_first, node_budget, point_mass_tree, tree_budget
 from specplug.types import Proposal, Proposer, SequenceState, Verdict
 from specplug.verifier import TreeProposal
@@ -241,7 +241,7 @@ class MTPProposer(Proposer):
         with torch.inference_mode():
             logits, subset = self._logits(st.feature, k, seq)
             if seq.sampling.greedy:  # q is the point mass at each argmax: no dense q to carry
-                best = logits.float().argmax(-1)
+                best = torch.tensor(argmax_ids(logits), dtype=torch.long, device=logits.device)
                 return Proposal((best if subset is None else subset[best]).to(seq.target.device), None)
             q = processed_probs(logits, seq.sampling)  # [k, V] or [k, |subset|]: what the tokens are drawn from
             drawn = sample_rows(q, seq.rng)

@@ -39,7 +39,7 @@ from specplug.verifier import (VERIFICATIONS, Proposal, ProposalError, TreePropo
 from .metrics import GenerationStats
 from .policies import FixedPolicy
 from .rows import RowScores
-from .sampling import SamplingParams, processed_probs
+from .sampling import SamplingParams, argmax_ids, processed_probs
 from .stopping import Stopper
 from .target import Target
 from .tree_steps import checked_tree, drafted, is_tree, kept_rows, tree_shape, verify_sampled_trees
@@ -358,7 +358,7 @@ class Engine:
         verdicts: list[Verdict | None] = [None] * len(self.live)
         greedy = [j for j, r in enumerate(self.live) if r.seq.sampling.greedy]
         if greedy:
-            best = scores.logits.float().argmax(-1).tolist()
+            best = argmax_ids(scores.logits)
             for j in greedy:
                 rule = verify_tree_greedy if is_tree(self.live[j].proposal) else verify_greedy
                 verdicts[j] = rule(best[scores.span(j)], self.live[j].proposal)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import draft_stop, few_rows, heads, int8_products
-from .sampling import draw
+from .sampling import argmax_ids, draw
 from .tree_drafting import GrowingTree, grow_tree, node_budget, visible_rows
 from .types import Proposal, Proposer, SequenceState, Verdict
 from .verifier import TreeProposal
@@ -312,7 +312,7 @@ class FeatureHeadProposer(Proposer):
         """Each row's draft from its drafting logits [R, V'] as :meth:`propose` draws it: (token, q over the whole
         vocabulary or None, whether drafting may go on after it); greedy rows in one argmax."""
         if all(seq.sampling.greedy for seq in seqs):
-            picked = logits.float().argmax(-1).tolist()
+            picked = argmax_ids(logits)
             sure = (torch.softmax(logits.float(), -1).amax(-1) >= self.stop_below).tolist() if self.stop_below \
                 else [True] * len(seqs)
             ids = picked if projection.ids is None else [projection.ids[i] for i in picked]

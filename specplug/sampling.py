@@ -54,6 +54,20 @@ class SamplingParams:
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def argmax_ids(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax over the last dimension of logits [..., V], flattened to a list of ints: the first of
+    equal maxima, a NaN counting as the largest, as torch's argmax takes it.
+
+    Why not torch's argmax on the CPU: over 8,192 logits it took 35 µs for 5 rows and 450 µs for 80 on the 2-core
+    Xeon, numpy's 3 and 80; a greedy step takes one per drafted token and one over every scored position."""
+    if logits.device.type != "cpu":
+        return logits.argmax(-1).reshape(-1).tolist()
+    rows = logits.detach()
+    if rows.dtype not in (torch.float32, torch.float64, torch.float16):
+        rows = rows.float()  # numpy has no bfloat16; widening keeps every value and so the argmax
+    return rows.reshape(-1, rows.shape[-1]).numpy().argmax(-1).tolist()
+
+
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Logits [..., V] -> float32 probabilities [..., V] exactly as ordinary sampling would draw from."""
     logits = logits.float()
@@ -94,7 +108,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator,
     None (the point mass there: the same argmax processed_probs takes), else a ``sample(q, rng)`` from the
     processed distribution q."""
     if params.greedy:
-        return int(logits.float().argmax()), None
+        return argmax_ids(logits)[0], None
     q = processed_probs(logits, params)
     return sample(q, rng), q
 

@@ -182,6 +182,21 @@ def test_greedy_rows_of_a_mixed_batch_draw_no_uniforms(tiny_target):
     assert not all(watcher.seen[False])  # the sampled row's verifier did draw
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_ids_are_torchs_argmax_first_of_ties_and_nan_first(dtype):
+    """Greedy verification and greedy drafting take their ids from sampling.argmax_ids (numpy on the CPU, for
+    speed): it must pick what torch's argmax picks, or a greedy step would part from processed_probs' one-hot."""
+    from specplug.sampling import argmax_ids
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, 7] = logits[1, 250] = logits[1].max() + 1  # a tie: the first
+    logits[2, 40] = logits[2, 9] = float("nan")  # NaN counts as the largest: the first NaN
+    logits[3] = float("-inf")
+    assert argmax_ids(logits) == logits.argmax(-1).tolist() == [argmax_ids(row)[0] for row in logits]
+    assert argmax_ids(logits.reshape(2, 3, 300)) == logits.argmax(-1).tolist()
+    assert argmax_ids(logits[1]) == [7]
+
+
 # --- bugs ------------------------------------------------------------------------------------------------------
 def test_top_k_and_top_p_none_mean_off_as_in_hf():
     params = specplug.SamplingParams(temperature=1.0, top_k=None, top_p=None)
