@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import transformers.activations
 
-from . import amx_products, attention_kernel, few_rows, int8_products, machine, norm_kernel, row_products
+from . import amx_products, attention_kernel, few_rows, fused_layers, int8_products, machine, norm_kernel, row_products
 from .int8_products import Int8Product
 
 # Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
@@ -32,6 +32,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 # Up to this many new positions (a step, a verify pass of k + 1) attention runs one query at a time;
 # longer runs (prefills) through torch's fused attention.
 SMALL_ATTENTION = 16
+_UNDECIDED = object()  # a layer's C form before its first rows (LeanLayer.fused)
 
 
 class RopeTable:
@@ -263,6 +264,15 @@ class LeanLayer:
         # one form for every path of this layer (steps, verify passes, rows, tree nodes): they must round alike
         self.kernel = attention_kernel.choose(self.heads, self.kv_heads, self.head_dim, w.dtype, w.device,
                                               self._attend_by_torch)
+        self._fused = _UNDECIDED  # decided at the first rows (see fused): the products may still be replaced
+
+    @property
+    def fused(self) -> "fused_layers.FusedLayer | None":
+        """This layer's chain rows in C (:mod:`specplug.fused_layers`: the same bits as :meth:`rows_by_torch`),
+        or None where torch's form runs."""
+        if self._fused is _UNDECIDED:
+            self._fused = fused_layers.choose(self)
+        return self._fused
 
     def products(self) -> tuple[Product, ...]:
         return self.qkv, self.gate_up, self.o, self.down
@@ -394,7 +404,15 @@ class LeanLayer:
         ``visible[b]`` (None: causal): row b's [counts[b], length after] mask, as in ``__call__``.
 
         The products run once for all N rows (the weights are read once); attention runs per query over its
-        own sequence's cache, as a one-token step would (see ``__call__``)."""
+        own sequence's cache, as a one-token step would (see ``__call__``). Chains run in C where the machine
+        chose it (:attr:`fused`), trees in torch's form: the same bits either way."""
+        if (visible is None or all(v is None for v in visible)) and self.fused is not None:
+            return self.fused.rows(x, cos, sin, caches, counts)
+        return self.rows_by_torch(x, cos, sin, caches, counts, visible)
+
+    def rows_by_torch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[LayerCache],
+                      counts: list[int], visible: Sequence[Visibility | None] | None = None) -> torch.Tensor:
+        """:meth:`rows` in torch's form (with the products', norms' and attention's kernels)."""
         q, k, v = self._qkv(x, cos, sin)
         return self._finish(x, self._attend_rows(q, k, v, caches, counts, visible).reshape(x.shape[0], -1))
 
@@ -486,6 +504,7 @@ class LeanLlama:
             for name in ("qkv", "gate_up", "o", "down"):
                 product = getattr(layer, name)
                 setattr(layer, name, Product(product.weight, product.bias, int8=True))
+            layer._fused = _UNDECIDED
         if head:
             self.head = Product(self.head.weight, self.head.bias, int8=True)
 
