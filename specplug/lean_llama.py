@@ -605,8 +605,15 @@ class LeanLlama:
         at = [list(range(cache.length, cache.length + n)) if positions is None or positions[b] is None
               else [int(p) for p in positions[b]] for b, (cache, n) in enumerate(zip(caches, counts))]
         cos, sin = self._rope_at([p for row in at for p in row], ids.shape[0])
-        x, states = self._stack(ids, hidden, lambda i, layer, x: layer.rows(
-            x, cos, sin, [cache.layers[i] for cache in caches], counts, masks))
+        in_c = fused_layers.stack(self.layers) if masks is None else None
+        if in_c is None:
+            x, states = self._stack(ids, hidden, lambda i, layer, x: layer.rows(
+                x, cos, sin, [cache.layers[i] for cache in caches], counts, masks))
+        else:  # chains through every layer in C, one table and one set of buffers for the pass
+            step = fused_layers.Pass(in_c[0], ids.shape[0], self.dtype,
+                                     [[cache.layers[i] for cache in caches] for i in range(len(in_c))], counts)
+            x, states = self._stack(ids, hidden, lambda i, layer, x: in_c[i].run(step, i, x, cos, sin))
+            step.done()
         if last_only:
             x = x[torch.tensor(counts, device=self.device).cumsum(0) - 1]
         return (head or self.head)(x), states
