@@ -8,8 +8,9 @@ The C form calls the very kernels the torch form calls (the products' AMX or row
 attention kernels, passed by address) and does the rotary embedding, the scaling and the residual sums with one
 rounding per operation, as torch's ops round; the activation between the two calls is the layer's own torch
 function. So a layer's rows come out bit for bit as :meth:`specplug.lean_llama.LeanLayer.rows` computes them
-in torch's form, which tree rows (masked attention) and prefills still use: a verified position, drafted as a
-chain or a tree, scores exactly as a one-token step does.
+in torch's form, which tree rows (masked attention) and long prefills still use: a verified position, drafted as a
+chain or a tree, scores exactly as a one-token step does. A single sequence's short runs (``LeanLayer.__call__``,
+up to ``SMALL_ATTENTION`` positions) run as one row of it.
 
 Used per layer shape where every part of the layer runs on those kernels, the two forms agree bit for bit on a
 probe over ragged rows, and the C form is not slower (choice ``fused_layers``, listed by
