@@ -66,12 +66,11 @@ def _product(product: "Product") -> _Product | str:
     kernel = product.tiles
     if product.int8 is not None or kernel is None:
         return "a product not on the AMX or rows kernel"
+    bias = 0 if getattr(kernel, "bias", None) is None else kernel.bias.data_ptr()
     if isinstance(kernel, amx_products.TileProduct):
-        bias = 0 if kernel.bias is None else kernel.bias.data_ptr()
         return _Product(TILES, kernel.out_features, kernel.in_features, 0, _address(kernel.lib.specplug_product),
                         kernel.packed.data_ptr(), bias)
     if isinstance(kernel, row_products.RowProduct):
-        bias = 0 if kernel.bias is None else kernel.bias.data_ptr()
         if kernel.narrow is None:
             return _Product(ROWS, kernel.out_features, kernel.in_features, 0, _address(kernel.lib.specplug_rows_f32),
                             kernel.weight.data_ptr(), bias)

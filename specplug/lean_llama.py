@@ -32,7 +32,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 # Up to this many new positions (a step, a verify pass of k + 1) attention runs one query at a time;
 # longer runs (prefills) through torch's fused attention.
 SMALL_ATTENTION = 16
-_UNDECIDED = object()  # a layer's C form before its first rows (LeanLayer.fused)
+_UNDECIDED = object()  # a layer's C form before its first run (LeanLayer.fused)
 
 
 class RopeTable:
@@ -264,7 +264,7 @@ class LeanLayer:
         # one form for every path of this layer (steps, verify passes, rows, tree nodes): they must round alike
         self.kernel = attention_kernel.choose(self.heads, self.kv_heads, self.head_dim, w.dtype, w.device,
                                               self._attend_by_torch)
-        self._fused = _UNDECIDED  # decided at the first rows (see fused): the products may still be replaced
+        self._fused = _UNDECIDED  # decided at the first run (see fused): the products may still be replaced
 
     @property
     def fused(self) -> "fused_layers.FusedLayer | None":

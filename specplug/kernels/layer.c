@@ -12,7 +12,6 @@
  * activation between the two calls stays torch's: its exp is torch's own. */
 #pragma GCC optimize("fp-contract=off")
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 typedef void (*tiles_fn)(int64_t, int64_t, int64_t, const float *, const void *, const void *, float *, void *);
