@@ -5,7 +5,7 @@ import torch
 
 import specplug
 from greedy_rows import assert_batched_greedy_rows_equal_target_only, pinned_forms
-from specplug import fused_layers, machine
+from specplug import fused_layers, int8_products, machine
 
 
 def _fused_layer(target):
@@ -93,6 +93,7 @@ def test_without_a_compiler_layers_run_torchs_form_and_say_why(without_a_compile
     assert choices and all(c.value == fused_layers.TORCH for c in choices)
 
 
+@pytest.mark.skipif(not int8_products.available("cpu"), reason="no int8 kernel in this torch build")
 def test_a_drafters_int8_layers_are_not_fused(tiny_dirs):
     """int8 products (drafters) have no C form here: the reason is the product, named."""
     target = specplug.Target.from_pretrained(tiny_dirs["target"])
