@@ -206,6 +206,7 @@ class Engine:
         self.waiting = list(self.requests)
         self.live: list[Request] = []
         self.rows = target.new_rows()
+        self.no_draft = Proposal.empty(self.device)  # shared by every row that drafts nothing (never written)
         self.warned = False
         self.t_start = time.perf_counter()
 
@@ -327,7 +328,7 @@ class Engine:
                     self._fell_back(req, "propose", exc)
                 req.draft_time = time.perf_counter() - t0
         for req in self.live:
-            req.proposal = self._checked(req) if req.proposal is not None else Proposal.empty(self.device)
+            req.proposal = self._checked(req) if req.proposal is not None else self.no_draft
 
     def _checked(self, req: Request) -> Proposal | TreeProposal:
         """The proposal on the target's device, once it is known to be verifiable: before scoring, so a bad id
@@ -401,16 +402,9 @@ class Engine:
         """Policy update, emission, observe, stats and finishing, per row; then rows leave and others join."""
         draft_all, target_time, verify_time = times
         B = len(self.live)
-        # what the whole step cost, for batch-aware policies: every row waits for all the drafting (K passes),
-        # and the pass scored each row's own tokens (ragged rows), or K + 1 in every row (padded rows)
         ks = [drafted(r.proposal) for r in self.live]
         shapes = [tree_shape(r.proposal) for r in self.live]
-        tokens = B * (max(ks) + 1) if self.rows.padded else sum(k + 1 for k in ks)
-        asked = [r for r in self.live if r.drafting and r.asked > 0]
-        step = {"scored": max(ks) + 1, "tokens": tokens, "drafted": sum(ks), "draft_rows": sum(1 for k in ks if k),
-                "asked_rows": len(asked), "backlog_rows": sum(1 for r in asked if not r.drafted_last),
-                "draft_time": draft_all, "verify_time": target_time + verify_time, "batch_size": B,
-                "tree_rows": sum(1 for s in shapes if s is not None), "padded": self.rows.padded}
+        step = self._step_costs(ks, shapes, draft_all, target_time + verify_time) if self.batched else None
         events, done = [], []
         for j, (req, verdict) in enumerate(zip(self.live, verdicts)):
             seq, stats = req.seq, req.stats
@@ -420,7 +414,7 @@ class Engine:
                 kept = kept_rows(req.proposal, verdict)  # [last, accepted]: a tree's path, a chain's prefix
                 verdict.features = {n: f[span][kept] for n, f in scores.features.items()}
             if req.drafting:
-                if self.batched:
+                if step is not None:
                     seq.scratch["batch_step"] = step
                 seq.scratch["drafted_tree"] = shapes[j]
                 self._ask(req, "update", ks[j], verdict.accepted, req.draft_time, target_time, B)
@@ -448,6 +442,17 @@ class Engine:
             self._admit()
             self._views()
         return events
+
+    def _step_costs(self, ks: list[int], shapes: list, draft_time: float, verify_time: float) -> dict:
+        """What the whole step cost, for batch-aware policies: every row waits for all the drafting (K passes),
+        and the pass scored each row's own tokens (ragged rows), or K + 1 in every row (padded rows)."""
+        B = len(ks)
+        tokens = B * (max(ks) + 1) if self.rows.padded else sum(k + 1 for k in ks)
+        asked = [r for r in self.live if r.drafting and r.asked > 0]
+        return {"scored": max(ks) + 1, "tokens": tokens, "drafted": sum(ks), "draft_rows": sum(1 for k in ks if k),
+                "asked_rows": len(asked), "backlog_rows": sum(1 for r in asked if not r.drafted_last),
+                "draft_time": draft_time, "verify_time": verify_time, "batch_size": B,
+                "tree_rows": sum(1 for s in shapes if s is not None), "padded": self.rows.padded}
 
     def _finish(self, req: Request, reason: str) -> None:
         req.stats.finish_reason = reason
