@@ -234,6 +234,9 @@ class MeasuredCosts:
         docs/policies.md)."""
         solved = {r: fit for r, line in self._draft_lines.items() if (fit := line.solve()) is not None}
         for rows, line in self._draft_lines.items():
+            if rows in solved:
+                self.draft_fixed[rows], self.draft_pass[rows] = solved[rows]
+                continue
             nearest = min(solved, key=lambda r: (abs(r - rows), r), default=None)
             fixed, per = line.fit(solved[nearest] if nearest is not None else None)
             self.draft_fixed[rows], self.draft_pass[rows] = fixed, per
@@ -250,14 +253,12 @@ class MeasuredCosts:
             return 0.0
         if not self.draft_pass:
             return None
-        measured = _non_decreasing([(r, self.draft_fixed.get(r, 0.0) + k * per) for r, per in self.draft_pass.items()])
-        if rows <= measured[0][0]:
-            return measured[0][1]
-        inside = _between(measured, rows)
-        if inside is not None:
-            return inside
-        top_rows, top = measured[-1]
-        return top * rows / top_rows
+        return _draft_at(self._draft_lines_by_rows(), k, rows)
+
+    @_memoised
+    def _draft_lines_by_rows(self) -> list[tuple[int, float, float]]:
+        """Each measured row count's (rows, fixed, per pass), by rows."""
+        return sorted((r, self.draft_fixed.get(r, 0.0), per) for r, per in self.draft_pass.items())
 
     def drafting_measured(self, rows: int) -> bool:
         """Whether drafting in this many rows is priced from measurements around it; above every measured row
@@ -360,8 +361,8 @@ class MeasuredCosts:
         """:meth:`verify_time` at this batch size for n = 0..upto, index n (0: None); with ``stale_after``,
         :meth:`hopeful_verify_time`. One choice prices every k from such a curve."""
         if stale_after is None:
-            here = self._measured_at(batch_size)  # where measured here, verify_time is _along_n: skip the detour
-            along = [_along(here, n) for n in range(1, upto + 1)]
+            # where measured here, verify_time is _along_n: skip the detour
+            along = _along_upto(self._measured_at(batch_size), upto)
             return (None, *(t if t is not None else self.verify_time(n, batch_size) for n, t in enumerate(along, 1)))
         curve, fresh = self.verify_curve(upto, batch_size), self._fresh_at(batch_size, stale_after)
         hopes = [None if self.is_fresh(n, batch_size, stale_after) else _hope(fresh, n) for n in range(1, upto + 1)]
@@ -371,6 +372,19 @@ class MeasuredCosts:
     def draft_curve(self, upto: int, rows: int) -> tuple[float | None, ...]:
         """:meth:`draft_time` for ``rows`` rows drafting k = 0..upto each, index k."""
         return tuple(self.draft_time(k, rows) for k in range(upto + 1))
+
+
+def _draft_at(lines: list[tuple[int, float, float]], k: int, rows: int) -> float:
+    """:meth:`MeasuredCosts.draft_time` of k >= 1 tokens in ``rows`` rows from each measured row count's
+    (rows, fixed, per pass), sorted by rows."""
+    measured = _non_decreasing([(r, fixed + k * per) for r, fixed, per in lines])
+    if rows <= measured[0][0]:
+        return measured[0][1]
+    inside = _between(measured, rows)
+    if inside is not None:
+        return inside
+    top_rows, top = measured[-1]
+    return top * rows / top_rows
 
 
 def _non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -397,6 +411,33 @@ def _along(here: list[tuple[int, float]], n: int) -> float | None:
     (m0, t0), (m1, t1), (first, t_first) = *here[-2:], here[0]
     slope = max((t1 - t0) / (m1 - m0), (t1 - t_first) / (m1 - first))
     return t1 + slope * (n - m1)
+
+
+def _along_upto(here: list[tuple[int, float]], upto: int) -> list[float | None]:
+    """:func:`_along` for n = 1..upto, walking the points once: each n falls in the first segment (x0, x1) with
+    x0 <= n <= x1, as :func:`_between` finds it, priced by the same arithmetic."""
+    if not here:
+        return [None] * upto
+    (first, t_first), last = here[0], len(here) - 1
+    out: list[float | None] = []
+    seg, slope = 0, None
+    for n in range(1, upto + 1):
+        if n <= first:
+            out.append(t_first if n == first else None)
+            continue
+        while seg < last and here[seg + 1][0] < n:
+            seg += 1
+        if seg < last:
+            (x0, y0), (x1, y1) = here[seg], here[seg + 1]
+            out.append(y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+        elif last == 0:
+            out.append(None)
+        else:  # beyond the longest: on _along's line
+            (m0, t0), (m1, t1) = here[-2:]
+            if slope is None:
+                slope = max((t1 - t0) / (m1 - m0), (t1 - t_first) / (m1 - first))
+            out.append(t1 + slope * (n - m1))
+    return out
 
 
 def _hope(fresh: list[tuple[int, float]], n: int) -> float | None:
@@ -676,10 +717,11 @@ class CostModelPolicy(GammaPolicy):
         self._reach_rates.pop(proposer, None)
         reach = self._reach.setdefault(proposer, [])
         reach += [[1.0, 1.0] for _ in range(asked - len(reach))]  # seeded as always reaching
-        for d in range(asked):
-            _count(reach[d], proposed > d, 1.0, PROPOSER_DECAY)
-        for d in range(asked, len(reach)):
-            reach[d][0] = REACH_RELAX * reach[d][0] + (1 - REACH_RELAX) * reach[d][1]
+        for d, sums in enumerate(reach):  # as _count for the depths asked, every row of a batch: inlined
+            if d < asked:
+                sums[0], sums[1] = PROPOSER_DECAY * sums[0] + (proposed > d), PROPOSER_DECAY * sums[1] + 1.0
+            else:
+                sums[0] = REACH_RELAX * sums[0] + (1 - REACH_RELAX) * sums[1]
 
     def begin(self, seq):
         self._serve(seq)
@@ -1072,7 +1114,9 @@ class CostModelPolicy(GammaPolicy):
         # the proposer's running rates, ratios of decayed sums as per request: a mean of per-step ratios
         # accepted / trials is biased low
         proposer = seq.scratch.get("proposer", "")
-        sums = self._proposer_sums.setdefault(proposer, {part: [self.prior_alpha, 1.0] for part in ("all", "first", "then")})
+        sums = self._proposer_sums.get(proposer)
+        if sums is None:
+            sums = self._proposer_sums[proposer] = {part: [self.prior_alpha, 1.0] for part in ("all", "first", "then")}
         _count(sums["all"], accepted, trials, PROPOSER_DECAY)
         _count_rates(sums["first"], sums["then"], accepted, proposed, PROPOSER_DECAY)
         self.alpha_by_proposer[proposer] = sums["all"][0] / sums["all"][1]
