@@ -86,20 +86,30 @@ static inline void finish(const float *tile, int64_t rows, int64_t N, int64_t n0
     }
 }
 
+/* The results of accumulator tile `acc` (0..3) into `tile`: tile numbers are immediates. */
+static inline void store_tile(int acc, float *tile) {
+    if (acc == 0) _tile_stored(0, tile, 64);
+    else if (acc == 1) _tile_stored(1, tile, 64);
+    else if (acc == 2) _tile_stored(2, tile, 64);
+    else _tile_stored(3, tile, 64);
+}
+
+static inline void configure_tiles(void) {
+    tile_config config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
 #define GROUP 4 /* row tiles that share each loaded weight tile */
 
-/* y [M, N] = bf16(bf16(x [M, K]) · Wᵀ + bias) with W packed by specplug_product_pack, bias bf16 [N] or NULL.
- * xb: scratch of ceil(M/16) * 16 * K bf16. */
-void specplug_product(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *packed,
-                      const uint16_t *bias, float *y, uint16_t *xb) {
+/* Few rows (a step, a short verify pass): up to GROUP row tiles share each weight tile, loaded once. */
+static void by_groups(int64_t M, int64_t N, int64_t K, const uint16_t *xb, const uint16_t *packed,
+                      const uint16_t *bias, float *y) {
     int64_t row_tiles = (M + 15) / 16, blocks = K / 32;
-    to_bf16(M, K, x, xb);
     #pragma omp parallel
     {
-        tile_config config = {0};
-        config.palette = 1;
-        for (int t = 0; t < 6; t++) config.rows[t] = 16, config.colsb[t] = 64;
-        _tile_loadconfig(&config);
+        configure_tiles();
         float tile[256];
         #pragma omp for schedule(static)
         for (int64_t nb = 0; nb < N / 16; nb++) {
@@ -116,10 +126,7 @@ void specplug_product(int64_t M, int64_t N, int64_t K, const float *x, const uin
                     if (n > 3) { _tile_loadd(4, a + 48 * K + kb * 32, K * 2); _tile_dpbf16ps(3, 4, 5); }
                 }
                 for (int64_t t = 0; t < n; t++) {
-                    if (t == 0) _tile_stored(0, tile, 64);
-                    else if (t == 1) _tile_stored(1, tile, 64);
-                    else if (t == 2) _tile_stored(2, tile, 64);
-                    else _tile_stored(3, tile, 64);
+                    store_tile((int)t, tile);
                     int64_t m0 = (t0 + t) * 16, rows = M - m0 < 16 ? M - m0 : 16;
                     finish(tile, rows, N, nb * 16, bias, y + m0 * N);
                 }
@@ -127,4 +134,56 @@ void specplug_product(int64_t M, int64_t N, int64_t K, const float *x, const uin
         }
         _tile_release();
     }
+}
+
+/* More rows: two row tiles by two column blocks, four accumulators fed by two loads of x and two of W per 32 of
+ * K. Each x tile then serves two column blocks, halving what the groups' form reads of x (from L2: a long x
+ * does not stay in L1) per tile product. Each accumulator still runs K in order from zero: the same bits. */
+static void by_pairs(int64_t M, int64_t N, int64_t K, const uint16_t *xb, const uint16_t *packed,
+                     const uint16_t *bias, float *y) {
+    int64_t row_tiles = (M + 15) / 16, blocks = K / 32, col_blocks = N / 16;
+    #pragma omp parallel
+    {
+        configure_tiles();
+        float tile[256];
+        #pragma omp for schedule(static)
+        for (int64_t nb = 0; nb < col_blocks; nb += 2) {
+            int64_t cols = col_blocks - nb < 2 ? 1 : 2;
+            const uint16_t *w0 = packed + nb * blocks * 512, *w1 = w0 + blocks * 512;
+            for (int64_t t0 = 0; t0 < row_tiles; t0 += 2) {
+                int64_t n = row_tiles - t0 < 2 ? 1 : 2;
+                const uint16_t *a = xb + t0 * 16 * K;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t kb = 0; kb < blocks; kb++) { /* accumulator 2t + c: row tile t0 + t, column block nb + c */
+                    _tile_loadd(4, a + kb * 32, K * 2);
+                    _tile_loadd(6, w0 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (cols > 1) { _tile_loadd(7, w1 + kb * 512, 64); _tile_dpbf16ps(1, 4, 7); }
+                    if (n > 1) {
+                        _tile_loadd(5, a + 16 * K + kb * 32, K * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (cols > 1) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                for (int64_t t = 0; t < n; t++)
+                    for (int64_t c = 0; c < cols; c++) {
+                        store_tile((int)(2 * t + c), tile);
+                        int64_t m0 = (t0 + t) * 16, rows = M - m0 < 16 ? M - m0 : 16;
+                        finish(tile, rows, N, (nb + c) * 16, bias, y + m0 * N);
+                    }
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* y [M, N] = bf16(bf16(x [M, K]) · Wᵀ + bias) with W packed by specplug_product_pack, bias bf16 [N] or NULL.
+ * xb: scratch of ceil(M/16) * 16 * K bf16. Both forms give every element the same sequence of tile products. */
+void specplug_product(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *packed,
+                      const uint16_t *bias, float *y, uint16_t *xb) {
+    to_bf16(M, K, x, xb);
+    if ((M + 15) / 16 > 2)
+        by_pairs(M, N, K, xb, packed, bias, y);
+    else
+        by_groups(M, N, K, xb, packed, bias, y);
 }
