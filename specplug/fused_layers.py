@@ -1,4 +1,5 @@
-"""A lean layer's step rows in two C calls (``kernels/layer.c``) in place of its torch form's thirty-odd calls.
+"""A lean layer's step rows in one or two C calls (``kernels/layer.c``) in place of its torch form's thirty-odd
+calls.
 
 Why: on a step's few rows a layer's arithmetic is a fraction of its dispatch. On the Intel Xeon with AMX a
 one-row step of the zoo target spent ~1.3 of its ~3 ms in Python, allocation and small torch ops around the
@@ -6,8 +7,8 @@ products and attention; a batch of 16 rows ~1.5 of ~5 ms.
 
 The C form calls the very kernels the torch form calls (the products' AMX or rows kernels, the RMSNorm and the
 attention kernels, passed by address) and does the rotary embedding, the scaling and the residual sums with one
-rounding per operation, as torch's ops round; the activation between the two calls is the layer's own torch
-function. So a layer's rows come out bit for bit as :meth:`specplug.lean_llama.LeanLayer.rows` computes them
+rounding per operation, as torch's ops round. The activation is the layer's own form: on the activation kernel
+(:mod:`specplug.activation_kernel`) inside the one call, else torch's function between two. So a layer's rows come out bit for bit as :meth:`specplug.lean_llama.LeanLayer.rows` computes them
 in torch's form, which tree rows (masked attention) and long prefills still use: a verified position, drafted as a
 chain or a tree, scores exactly as a one-token step does. A single sequence's short runs (``LeanLayer.__call__``,
 up to ``SMALL_ATTENTION`` positions) run as one row of it.
@@ -46,6 +47,7 @@ class _Layer(ctypes.Structure):
                 ("inter", ctypes.c_int64), ("scaling", ctypes.c_double), ("eps_in", ctypes.c_double),
                 ("eps_post", ctypes.c_double), ("w_in", ctypes.c_void_p), ("w_post", ctypes.c_void_p),
                 ("norm", ctypes.c_void_p), ("append", ctypes.c_void_p), ("attend", ctypes.c_void_p),
+                ("act", ctypes.c_void_p),
                 ("qkv", _Product), ("o", _Product), ("gate_up", _Product), ("down", _Product)]
 
 
@@ -54,7 +56,8 @@ def load() -> tuple[ctypes.CDLL | None, str]:
     """The compiled library, or None and why it is not available."""
     i64, ptr = native.I64, native.PTR
     return native.bind(SOURCE, {"specplug_layer_first": ([ptr, i64] + [ptr] * 3 + [i64, ptr, i64] + [ptr] * 4, i64),
-                                "specplug_layer_last": ([ptr, i64] + [ptr] * 5, None)})
+                                "specplug_layer_last": ([ptr, i64] + [ptr] * 5, None),
+                                "specplug_layer": ([ptr, i64] + [ptr] * 3 + [i64, ptr, i64] + [ptr] * 6, i64)})
 
 
 def _address(fn) -> int:
@@ -96,6 +99,7 @@ class Pass:
                                     self.counts] for layer_caches in caches], dtype=torch.int64)
         self.longest = max(c.length + n for c, n in zip(caches[0], counts))
         self.x_mid, self.gate_up = torch.empty(N, h, dtype=dtype), torch.empty(N, 2 * layer.inter, dtype=dtype)
+        self.act = torch.empty(N, layer.inter, dtype=dtype) if first.plan.act else None
         self.work = torch.empty(N * (2 * h + first.width + 2 * layer.heads * layer.head_dim), dtype=dtype)
         self.scratch = torch.empty((N + 15) // 16 * 16 * first.in_max, dtype=torch.bfloat16)
         self._step = self.table.stride(0) * self.table.element_size()
@@ -131,14 +135,22 @@ class FusedLayer:
 
     def run(self, step: Pass, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """This layer as layer ``i`` of ``step`` (x, cos and sin contiguous); its caches advance at ``step.done``."""
-        N, inter = x.shape[0], self.layer.inter
+        N = x.shape[0]
+        out = torch.empty_like(x)
+        if self.plan.act:  # the activation in C too: one call
+            status = self.lib.specplug_layer(self.ref, N, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), step.rows,
+                                             step.table_of(i), step.longest, step.x_mid.data_ptr(),
+                                             step.gate_up.data_ptr(), step.act.data_ptr(), out.data_ptr(),
+                                             step.work.data_ptr(), step.scratch.data_ptr())
+            if status:
+                raise RuntimeError(f"fused layer failed (attention kernel status {status})")
+            return out
         status = self.lib.specplug_layer_first(self.ref, N, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), step.rows,
                                                step.table_of(i), step.longest, step.x_mid.data_ptr(),
                                                step.gate_up.data_ptr(), step.work.data_ptr(), step.scratch.data_ptr())
         if status:
             raise RuntimeError(f"fused layer failed (attention kernel status {status})")
-        act = (self.layer.act(step.gate_up[:, :inter]) * step.gate_up[:, inter:]).contiguous()  # the torch form's
-        out = torch.empty_like(x)
+        act = self.layer.activated(step.gate_up).contiguous()  # the torch form's
         self.lib.specplug_layer_last(self.ref, N, step.x_mid.data_ptr(), act.data_ptr(), out.data_ptr(),
                                      step.work.data_ptr(), step.scratch.data_ptr())
         return out
@@ -149,7 +161,8 @@ def stack(layers: Sequence["LeanLayer"]) -> list[FusedLayer] | None:
     fused = [layer.fused for layer in layers]
     if not fused or any(f is None for f in fused):
         return None
-    shapes = {(f.plan.h, f.plan.heads, f.plan.kv_heads, f.plan.d, f.plan.inter, f.in_max) for f in fused}
+    shapes = {(f.plan.h, f.plan.heads, f.plan.kv_heads, f.plan.d, f.plan.inter, f.in_max, bool(f.plan.act))
+              for f in fused}
     return fused if len(shapes) == 1 else None
 
 
@@ -174,9 +187,10 @@ def plan_or_reason(layer: "LeanLayer") -> tuple[_Layer | None, str]:
             return None, f"{name}: {found}"
         products[name] = found
     norm_in, norm_post = layer.norm_in.kernel, layer.norm_post.kernel
+    act = 0 if layer.act_kernel is None else _address(layer.act_kernel.fn)
     return _Layer(norm_in.size, layer.heads, layer.kv_heads, layer.head_dim, layer.inter, float(layer.scaling),
                   float(norm_in.eps), float(norm_post.eps), norm_in.weight.data_ptr(), norm_post.weight.data_ptr(),
-                  _address(norm_in.fn), _address(layer.kernel.append_fn), _address(layer.kernel.fn),
+                  _address(norm_in.fn), _address(layer.kernel.append_fn), _address(layer.kernel.fn), act,
                   **products), ""
 
 

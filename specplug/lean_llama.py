@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 import transformers.activations
 
-from . import amx_products, attention_kernel, few_rows, fused_layers, int8_products, machine, norm_kernel, row_products
+from . import (activation_kernel, amx_products, attention_kernel, few_rows, fused_layers, int8_products, machine,
+               norm_kernel, row_products)
 from .int8_products import Int8Product
 
 # Architectures that differ from Llama only in what LeanLayer handles (q/k/v biases, per-head q/k norms) or what
@@ -261,6 +262,9 @@ class LeanLayer:
         self.act = F.silu if type(mlp.act_fn) in _SILU_MODULES else mlp.act_fn
         self.norm_in, self.norm_post = Norm(layer.input_layernorm), Norm(layer.post_attention_layernorm)
         w = layer.input_layernorm.weight  # the caches' dtype (see new_cache)
+        # silu(gate) · up in C where the machine chose it: then on every path of this layer, as for attention
+        self.act_kernel = (activation_kernel.choose(self.inter, w.dtype, w.device) if self.act is F.silu
+                           else None)
         # one form for every path of this layer (steps, verify passes, rows, tree nodes): they must round alike
         self.kernel = attention_kernel.choose(self.heads, self.kv_heads, self.head_dim, w.dtype, w.device,
                                               self._attend_by_torch)
@@ -295,8 +299,14 @@ class LeanLayer:
     def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Output projection and residual, then the MLP block: attended [N, heads·head_dim] -> [N, h]."""
         x = x + self.o(attended)
-        gate, up = self.gate_up(self.norm_post(x)).split(self.inter, -1)
-        return x + self.down(self.act(gate) * up)
+        return x + self.down(self.activated(self.gate_up(self.norm_post(x))))
+
+    def activated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's activation of gate_up rows [N, 2·inter]: act(gate) · up [N, inter], by this layer's form."""
+        if self.act_kernel is not None:
+            return self.act_kernel(gate_up)
+        gate, up = gate_up.split(self.inter, -1)
+        return self.act(gate) * up
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
                  keep: int = 0, visible: Visibility | torch.Tensor | None = None) -> torch.Tensor:

@@ -201,6 +201,18 @@ def faster(name: str, key: str, forms: dict[str, Callable[[], object]], default:
     return record(name, key, value, why, "probe").value
 
 
+def kernel_kept(name: str, key: str, refused: str, forms: dict[str, Callable[[], object]], nbytes: int,
+                kernel: str = "kernel", other: str = "torch") -> bool:
+    """After a kernel's probe: where it was ``refused`` (why, e.g. it differs from the other form), recorded and
+    False (an error where the kernel is pinned); else whether it is the form to use (:func:`faster`)."""
+    if refused:
+        if overrides().get(name) == kernel:
+            raise ValueError(f"{OVERRIDE_ENV}: {name}={kernel} is pinned, but {refused}")
+        record(name, key, other, refused, kernel)
+        return False
+    return faster(name, key, forms, kernel, nbytes) == kernel
+
+
 def remembered(name: str, key: str, measure: Callable[[], str], why: Callable[[str], str]) -> str:
     """A fact about this machine's kernels (e.g. few_rows' identical rows): from memory, else the cache file,
     else ``measure()`` (then stored); ``why(value)`` says what it means, for :func:`machine_choices`."""

@@ -86,11 +86,6 @@ def choose(weight: torch.Tensor, eps: float) -> RmsNorm | None:
     why = ("its rows differ from one-row calls" if not torch.equal(got, alone) else
            "" if torch.allclose(got, want, atol=1e-5, rtol=1e-5) else
            f"it differs from torch's rms_norm by {float((got - want).abs().max()):.2g} on a probe")
-    if why:
-        if pinned == KERNEL:
-            raise ValueError(f"{machine.OVERRIDE_ENV}: {CHOICE}={KERNEL} is pinned, but {why}")
-        machine.record(CHOICE, key, TORCH, why, "kernel")
-        return None
     forms = {KERNEL: lambda: [kernel(p) for p in probes], TORCH: lambda: [F.rms_norm(p, shape, weight, eps) for p in probes]}
     # probed whatever the weight's size: a norm's cost is its calls, not the bytes it reads
-    return kernel if machine.faster(CHOICE, key, forms, KERNEL, machine.MIN_BYTES) == KERNEL else None
+    return kernel if machine.kernel_kept(CHOICE, key, why, forms, machine.MIN_BYTES) else None

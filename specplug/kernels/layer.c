@@ -8,8 +8,9 @@
  * Why this form: it calls the very kernels the torch form calls (products, RMSNorm, cache append, attention),
  * whose addresses the caller passes in, and does the rest (rotary embedding, scaling, residual sums) with one
  * rounding per operation and no contraction into fused multiply-adds, as torch's elementwise ops round. So
- * its outputs are the torch form's bit for bit, which the caller checks on the machine before using it. The
- * activation between the two calls stays torch's: its exp is torch's own. */
+ * its outputs are the torch form's bit for bit, which the caller checks on the machine before using it. Where
+ * the layer's activation runs on the activation kernel (silu.c) it runs here too, and the layer is one call;
+ * otherwise the caller runs torch's activation between the two calls. */
 #pragma GCC optimize("fp-contract=off")
 #include <stdint.h>
 #include <string.h>
@@ -22,6 +23,7 @@ typedef void (*append_fn)(int64_t, int64_t, int64_t, const float *, const float 
                           const int64_t *, const int64_t *, const int64_t *, const int64_t *, const int64_t *);
 typedef int64_t (*attend_fn)(int64_t, int64_t, int64_t, int64_t, const float *, float *, const int64_t *,
                              const int64_t *, const int64_t *, const int64_t *, const int64_t *, int64_t);
+typedef void (*act_fn)(int64_t, int64_t, const float *, float *);
 
 enum { TILES = 0, ROWS = 1, ROWS_FROM_16 = 2 };
 
@@ -36,7 +38,7 @@ typedef struct {
     int64_t h, heads, kv_heads, d, inter;
     double scaling, eps_in, eps_post;
     const float *w_in, *w_post;
-    const void *norm, *append, *attend;
+    const void *norm, *append, *attend, *act; /* act: NULL where the caller activates in torch's form */
     product_t qkv, o, gate_up, down;
 } layer_t;
 
@@ -99,4 +101,16 @@ void specplug_layer_last(const layer_t *L, int64_t N, const float *x_mid, const 
                          float *work, void *xb) {
     product(&L->down, N, act, work, xb);
     for (int64_t i = 0; i < N * L->h; i++) x_out[i] = x_mid[i] + work[i];
+}
+
+/* The whole layer where its activation is in C (L->act): specplug_layer_first, act(gu) into act [N, inter], then
+ * specplug_layer_last into x_out. */
+int64_t specplug_layer(const layer_t *L, int64_t N, const float *x, const float *cos, const float *sin, int64_t R,
+                       const int64_t *table, int64_t maxlen, float *x_mid, float *gu, float *act, float *x_out,
+                       float *work, void *xb) {
+    int64_t status = specplug_layer_first(L, N, x, cos, sin, R, table, maxlen, x_mid, gu, work, xb);
+    if (status) return status;
+    ((act_fn)L->act)(N, L->inter, gu, act);
+    specplug_layer_last(L, N, x_mid, act, x_out, work, xb);
+    return 0;
 }
