@@ -8,9 +8,10 @@ products and attention; a batch of 16 rows ~1.5 of ~5 ms.
 The C form calls the very kernels the torch form calls (the products' AMX or rows kernels, the RMSNorm and the
 attention kernels, passed by address) and does the rotary embedding, the scaling and the residual sums with one
 rounding per operation, as torch's ops round. The activation is the layer's own form: on the activation kernel
-(:mod:`specplug.activation_kernel`) inside the one call, else torch's function between two. So a layer's rows come out bit for bit as :meth:`specplug.lean_llama.LeanLayer.rows` computes them
-in torch's form, which tree rows (masked attention) and long prefills still use: a verified position, drafted as a
-chain or a tree, scores exactly as a one-token step does. A single sequence's short runs (``LeanLayer.__call__``,
+(:mod:`specplug.activation_kernel`) inside the one call, else torch's function between two. So a layer's rows
+come out bit for bit as :meth:`specplug.lean_llama.LeanLayer.rows` computes them in torch's form, which tree rows
+(masked attention) and long prefills still use: a verified position, drafted as a chain or a tree, scores exactly
+as a one-token step does. A single sequence's short runs (``LeanLayer.__call__``,
 up to ``SMALL_ATTENTION`` positions) run as one row of it.
 
 Used per layer shape where every part of the layer runs on those kernels, the two forms agree bit for bit on a
