@@ -11,8 +11,8 @@ rounding per operation, as torch's ops round. The activation is the layer's own 
 (:mod:`specplug.activation_kernel`) inside the one call, else torch's function between two. So a layer's rows
 come out bit for bit as :meth:`specplug.lean_llama.LeanLayer.rows` computes them in torch's form, which tree rows
 (masked attention) and long prefills still use: a verified position, drafted as a chain or a tree, scores exactly
-as a one-token step does. A single sequence's short runs (``LeanLayer.__call__``,
-up to ``SMALL_ATTENTION`` positions) run as one row of it.
+as a one-token step does. A single sequence's short runs (``LeanLayer.__call__``, up to ``SMALL_ATTENTION``
+positions) run as one row of it.
 
 Used per layer shape where every part of the layer runs on those kernels, the two forms agree bit for bit on a
 probe over ragged rows, and the C form is not slower (choice ``fused_layers``, listed by

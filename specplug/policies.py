@@ -404,8 +404,12 @@ def _along(here: list[tuple[int, float]], n: int) -> float | None:
     if n == here[0][0]:
         return here[0][1]
     inside = _between(here, n)
-    if inside is not None:
-        return inside
+    return inside if inside is not None else _beyond(here, n)
+
+
+def _beyond(here: list[tuple[int, float]], n: int) -> float | None:
+    """:func:`_along` beyond the longest measured length: on the line through the two longest, no flatter than the
+    line from the shortest to the longest; None with one point."""
     if len(here) < 2:
         return None
     (m0, t0), (m1, t1), (first, t_first) = *here[-2:], here[0]
@@ -420,7 +424,7 @@ def _along_upto(here: list[tuple[int, float]], upto: int) -> list[float | None]:
         return [None] * upto
     (first, t_first), last = here[0], len(here) - 1
     out: list[float | None] = []
-    seg, slope = 0, None
+    seg = 0
     for n in range(1, upto + 1):
         if n <= first:
             out.append(t_first if n == first else None)
@@ -430,13 +434,8 @@ def _along_upto(here: list[tuple[int, float]], upto: int) -> list[float | None]:
         if seg < last:
             (x0, y0), (x1, y1) = here[seg], here[seg + 1]
             out.append(y0 + (y1 - y0) * (n - x0) / (x1 - x0))
-        elif last == 0:
-            out.append(None)
-        else:  # beyond the longest: on _along's line
-            (m0, t0), (m1, t1) = here[-2:]
-            if slope is None:
-                slope = max((t1 - t0) / (m1 - m0), (t1 - t_first) / (m1 - first))
-            out.append(t1 + slope * (n - m1))
+        else:
+            out.append(_beyond(here, n))
     return out
 
 
