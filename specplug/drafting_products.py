@@ -2,8 +2,8 @@
 
 A drafter multiplies one row at a time (16 when it drafts a batch's rows together), so its products are bound by
 reading weights: int8 copies (:mod:`specplug.int8_products`) read a quarter of float32's bytes, but on some
-machines, for small weights held in cache, or where bf16 products run on AMX tiles
-(:mod:`specplug.amx_products`), float products (with one-row column-major copies, see
+machines, for small weights held in cache, or where bf16 products run on specplug's kernel
+(:mod:`specplug.bf16_products`), float products (with one-row column-major copies, see
 :class:`specplug.lean_llama.Product`) are as fast or faster. :func:`drafting_weights` times both once per
 machine and drafter shape, over 1 and 16 rows (:mod:`specplug.machine`, choice ``int8_drafting``); each int8
 product then takes only the row counts at which int8 is not the slower form, and more rows through a bf16 (or

@@ -5,14 +5,14 @@ Why: on a step's few rows a layer's arithmetic is a fraction of its dispatch. On
 one-row step of the zoo target spent ~1.3 of its ~3 ms in Python, allocation and small torch ops around the
 products and attention; a batch of 16 rows ~1.5 of ~5 ms.
 
-The C form calls the very kernels the torch form calls (the products' AMX or rows kernels, the RMSNorm and the
-attention kernels, passed by address) and does the rotary embedding, the scaling and the residual sums with one
-rounding per operation, as torch's ops round. The activation is the layer's own form: on the activation kernel
-(:mod:`specplug.activation_kernel`) inside the one call, else torch's function between two. So a layer's rows
-come out bit for bit as :meth:`specplug.lean_llama.LeanLayer.rows` computes them in torch's form, which tree rows
-(masked attention) and long prefills still use: a verified position, drafted as a chain or a tree, scores exactly
-as a one-token step does. A single sequence's short runs (``LeanLayer.__call__``, up to ``SMALL_ATTENTION``
-positions) run as one row of it.
+The C form calls the very kernels the torch form calls (the products' bf16 (AMX or AVX-512) or rows kernels, the
+RMSNorm and the attention kernels, passed by address) and does the rotary embedding, the scaling and the residual
+sums with one rounding per operation, as torch's ops round. The activation is the layer's own form: on the
+activation kernel (:mod:`specplug.activation_kernel`) inside the one call, else torch's function between two. So a
+layer's rows come out bit for bit as :meth:`specplug.lean_llama.LeanLayer.rows` computes them in torch's form,
+which tree rows (masked attention) and long prefills still use: a verified position, drafted as a chain or a tree,
+scores exactly as a one-token step does. A single sequence's short runs (``LeanLayer.__call__``, up to
+``SMALL_ATTENTION`` positions) run as one row of it.
 
 Used per layer shape where every part of the layer runs on those kernels, the two forms agree bit for bit on a
 probe over ragged rows, and the C form is not slower (choice ``fused_layers``, listed by
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from . import amx_products, machine, native, row_products
+from . import bf16_products, machine, native, row_products
 
 if TYPE_CHECKING:
     from .lean_llama import LayerCache, LeanLayer, Product
@@ -69,10 +69,10 @@ def _product(product: "Product") -> _Product | str:
     """The C description of a lean product, or why it has none (it must run on one of layer.c's kernels)."""
     kernel = product.tiles
     if product.int8 is not None or kernel is None:
-        return "a product not on the AMX or rows kernel"
+        return "a product not on the bf16 or rows kernel"
     bias = 0 if getattr(kernel, "bias", None) is None else kernel.bias.data_ptr()
-    if isinstance(kernel, amx_products.TileProduct):
-        return _Product(TILES, kernel.out_features, kernel.in_features, 0, _address(kernel.lib.specplug_product),
+    if isinstance(kernel, bf16_products.Bf16Product):
+        return _Product(TILES, kernel.out_features, kernel.in_features, 0, _address(kernel.kernel.fn),
                         kernel.packed.data_ptr(), bias)
     if isinstance(kernel, row_products.RowProduct):
         if kernel.narrow is None:

@@ -1,4 +1,4 @@
-"""How a kernel product (:mod:`specplug.amx_products`, :mod:`specplug.row_products`) is chosen for a weight: used
+"""How a kernel product (:mod:`specplug.bf16_products`, :mod:`specplug.row_products`) is chosen for a weight: used
 only where the machine shows every row equals its one-row product (the property a verify pass relies on) and the
 torch path is not faster on the row counts of steps and verify passes; recorded with the reason either way, and
 pinned by ``SPECPLUG_CHOICES``.

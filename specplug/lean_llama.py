@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import transformers.activations
 
-from . import (activation_kernel, amx_products, attention_kernel, few_rows, fused_layers, int8_products, machine,
+from . import (activation_kernel, bf16_products, attention_kernel, few_rows, fused_layers, int8_products, machine,
                norm_kernel, row_products)
 from .int8_products import Int8Product
 
@@ -164,13 +164,13 @@ class Product:
     drafter's arithmetic never touches exactness (the verifier uses the q it reports), so the two forms need
     not round alike.
 
-    ``int8`` (drafters only): the product keeps an int8 copy of the weight (see
-    :mod:`specplug.int8_products`) and ``weight`` is None; where int8 products of many rows are the slower form
-    on this machine (:func:`specplug.int8_products.rows_through_int8`), also a ``wide`` one (bf16 where native)
-    that takes products of more rows than ``int8_rows``. A bf16 CPU weight may instead be multiplied on AMX
-    tiles (:mod:`specplug.amx_products`: every row count one product, each row its one-row product) or keep a
-    oneDNN-packed copy (:func:`few_rows.packed_copy`: the same bits as unpacked, faster); a float32 CPU weight
-    without a one-row copy, through the rows kernel (:mod:`specplug.row_products`, the same property)."""
+    ``int8`` (drafters only): the product keeps an int8 copy of the weight (see :mod:`specplug.int8_products`) and
+    ``weight`` is None; where int8 products of many rows are the slower form on this machine
+    (:func:`specplug.int8_products.rows_through_int8`), also a ``wide`` one (bf16 where native) that takes products
+    of more rows than ``int8_rows``. A bf16 CPU weight may instead be multiplied by the bf16 kernel
+    (:mod:`specplug.bf16_products`, AMX or AVX-512: every row count one product, each row its one-row product) or
+    keep a oneDNN-packed copy (:func:`few_rows.packed_copy`: the same bits as unpacked, faster); a float32 CPU
+    weight without a one-row copy, through the rows kernel (:mod:`specplug.row_products`, the same property)."""
 
     __slots__ = ("weight", "bias", "one_row", "int8", "packed", "tiles", "wide", "int8_rows")
 
@@ -184,7 +184,7 @@ class Product:
         if int8:
             self.tiles = None
         elif weight.dtype == torch.bfloat16:
-            self.tiles = amx_products.choose(weight, bias, self.packed)
+            self.tiles = bf16_products.choose(weight, bias, self.packed)
         else:  # a drafter's one-row copy is its fast form; a target's products must keep one order at any row count
             self.tiles = None if one_row_copy or weight.dtype != torch.float32 else row_products.choose(weight, bias)
         if self.tiles is not None:

@@ -2,8 +2,8 @@
 
 Each source is built with ``cc -O3 -march=native -fopenmp`` into ``$SPECPLUG_CACHE_DIR/kernels`` (default
 ``~/.cache/specplug``), keyed by the source, the flags, the compiler and the CPU, atomically (concurrent builds
-each rename a whole file). Without a compiler, or where a source does not build for this CPU (e.g. AMX
-intrinsics elsewhere), :func:`build` says why and its callers fall back to torch's forms. A compiler's refusal
+each rename a whole file). Without a compiler, or where a source does not build for this CPU (e.g. AVX-512
+BF16 intrinsics on an AVX2 CPU), :func:`build` says why and its callers fall back to torch's forms. A compiler's refusal
 is kept beside the would-be library (``.failed``), so later processes do not compile again; a timeout is not
 kept, as a busy machine may build the source next time.
 """

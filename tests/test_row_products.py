@@ -9,6 +9,7 @@ import specplug
 from specplug import few_rows, machine, row_products
 from specplug.lean_llama import Product
 from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
+from drifting_kernels import assert_drifting_rows_are_refused
 
 
 def _kernel(weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -70,18 +71,8 @@ def test_a_kernel_whose_rows_differ_from_one_row_products_is_not_used(monkeypatc
     weight = torch.randn(64, 64)
     if row_products.supports(weight):
         pytest.skip(row_products.supports(weight))
-    real = row_products.RowProduct.__call__
-
-    def drifting(self, x):  # rounding that moves with the row count
-        return real(self, x) * (1 + 2.0 ** -20 * (x.reshape(-1, x.shape[-1]).shape[0] > 8))
-
-    monkeypatch.setattr(row_products.RowProduct, "__call__", drifting)
-    assert row_products.choose(weight) is None
-    [choice] = [c for c in machine.machine_choices() if c.name == row_products.CHOICE]
-    assert choice.value == row_products.TORCH and "differ" in choice.why
-    monkeypatch.setenv(machine.OVERRIDE_ENV, f"{row_products.CHOICE}={row_products.KERNEL}")
-    with pytest.raises(ValueError, match="rows differ"):
-        row_products.choose(weight)
+    assert_drifting_rows_are_refused(monkeypatch, row_products, row_products.RowProduct, weight,
+                                     row_products.TORCH, row_products.KERNEL, 8, 2.0 ** -20)
 
 
 def test_without_a_compiler_float32_products_run_through_few_rows_and_say_why(without_a_compiler):

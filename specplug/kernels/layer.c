@@ -27,8 +27,8 @@ typedef void (*act_fn)(int64_t, int64_t, const float *, float *);
 
 enum { TILES = 0, ROWS = 1, ROWS_FROM_16 = 2 };
 
-/* One product y = x Wᵀ + b by its kernel: AMX tiles (scratch xb), the float32 rows kernel, or the rows kernel
- * reading a 16-bit copy (flag: bfloat16 rather than half). */
+/* One product y = x Wᵀ + b by its kernel: the bf16 kernel, AMX or AVX-512 (scratch xb), the float32 rows
+ * kernel, or the rows kernel reading a 16-bit copy (flag: bfloat16 rather than half). */
 typedef struct {
     int64_t kind, out, in, flag;
     const void *fn, *w, *b;

@@ -1,10 +1,13 @@
-/* bf16 products on Intel AMX tiles for specplug's lean forward: y = bf16(bf16(x) · Wᵀ + b), float32 in and out.
+/* bf16 products for specplug's lean forward: y = bf16(bf16(x) · Wᵀ + b), float32 in and out, on Intel AMX tiles
+ * or, where the CPU has no AMX but AVX-512 BF16 (AMD Zen 4, Intel Cooper Lake), on vdpbf16ps dot products.
  *
  * Why a kernel: for the few rows of a decode step or a verify pass oneDNN's bf16 product costs several times
- * what reading the weight does, and over a few dozen rows it changes its summation order, so a verify pass had
- * to run in pieces that each read the whole weight again. Here every output element is the same sequence of
- * tile products (16 rows of x, 32 of K at a time, K in order, from zero), whatever the row count, the other
- * rows or the threads: a row's result is its one-row product, bit for bit, by construction. */
+ * what reading the weight does, and over a few dozen rows it may change its summation order, so a verify pass
+ * had to run in pieces that each read the whole weight again. Here every output element is one fixed sequence
+ * of products whatever the row count, the other rows or the threads (AMX: tile products of 16 rows of x and 32
+ * of K, K in order, from zero; AVX-512: one accumulator per element, pairs of K in order, from zero): a row's
+ * result is its one-row product, bit for bit, by construction. Each form is compiled where -march=native
+ * offers its instructions; specplug_product_forms says which were. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -20,6 +23,20 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tile_config;
+
+enum { FORM_AMX = 1, FORM_DOT = 2 };
+
+/* Which forms this build holds: FORM_AMX | FORM_DOT. */
+int64_t specplug_product_forms(void) {
+    int64_t forms = 0;
+#ifdef __AMX_TILE__
+    forms |= FORM_AMX;
+#endif
+#ifdef __AVX512BF16__
+    forms |= FORM_DOT;
+#endif
+    return forms;
+}
 
 /* Ask Linux for the AMX tile state (once per process): 0, or -1 where it is refused or absent. */
 int64_t specplug_product_init(void) {
@@ -54,9 +71,8 @@ static inline v16 widen(u16x bits) {
     return x;
 }
 
-/* x [M, K] float32 -> xb [ceil(M/16) * 16, K] bf16, the padding rows zero. */
-static void to_bf16(int64_t M, int64_t K, const float *x, uint16_t *xb) {
-    int64_t padded = (M + 15) / 16 * 16;
+/* x [M, K] float32 -> xb [padded, K] bf16, the padding rows zero. */
+static void to_bf16(int64_t M, int64_t padded, int64_t K, const float *x, uint16_t *xb) {
     #pragma omp parallel for schedule(static)
     for (int64_t m = 0; m < padded; m++)
         for (int64_t k = 0; k < K; k += 16) {
@@ -86,6 +102,7 @@ static inline void finish(const float *tile, int64_t rows, int64_t N, int64_t n0
     }
 }
 
+#ifdef __AMX_TILE__
 /* The results of accumulator tile `acc` (0..3) into `tile`: tile numbers are immediates. */
 static inline void store_tile(int acc, float *tile) {
     if (acc == 0) _tile_stored(0, tile, 64);
@@ -181,9 +198,71 @@ static void by_pairs(int64_t M, int64_t N, int64_t K, const uint16_t *xb, const 
  * xb: scratch of ceil(M/16) * 16 * K bf16. Both forms give every element the same sequence of tile products. */
 void specplug_product(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *packed,
                       const uint16_t *bias, float *y, uint16_t *xb) {
-    to_bf16(M, K, x, xb);
+    to_bf16(M, (M + 15) / 16 * 16, K, x, xb);
     if ((M + 15) / 16 > 2)
         by_pairs(M, N, K, xb, packed, bias, y);
     else
         by_groups(M, N, K, xb, packed, bias, y);
 }
+#endif
+
+#ifdef __AVX512BF16__
+#define DOT_ROWS 4 /* rows of x sharing each loaded weight vector */
+#define DOT_COLS 4 /* column blocks of 16 sharing each broadcast pair of x */
+
+/* R rows (from m0) by C column blocks (from nb): R·C accumulators, each from zero through the pairs of K in order,
+ * so an element's sum is the same sequence of dot products whatever R and C. Constant R and C unroll. */
+static inline __attribute__((always_inline)) void dot_block(int R, int C, int64_t m0, int64_t nb, int64_t N, int64_t K,
+                                                            const uint16_t *xb, const uint16_t *packed,
+                                                            const uint16_t *bias, float *y) {
+    int64_t pairs = K / 2;
+    const uint32_t *x = (const uint32_t *)(xb + m0 * K);
+    const uint16_t *w = packed + nb * pairs * 32;
+    __m512 acc[DOT_ROWS][2 * DOT_COLS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh wv[DOT_COLS * 2];
+        for (int c = 0; c < C; c++) wv[c] = (__m512bh)_mm512_loadu_si512(w + (c * pairs + p) * 32);
+        for (int r = 0; r < R; r++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[r * pairs + p]);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    float tile[256];
+    for (int c = 0; c < C; c++) {
+        for (int r = 0; r < R; r++) _mm512_storeu_ps(tile + 16 * r, acc[r][c]);
+        finish(tile, R, N, (nb + c) * 16, bias, y + m0 * N);
+    }
+}
+
+/* The rows from m0 to M by C column blocks from nb, DOT_ROWS at a time (fewer at the end). */
+static inline __attribute__((always_inline)) void dot_rows(int C, int64_t M, int64_t nb, int64_t N, int64_t K,
+                                                           const uint16_t *xb, const uint16_t *packed,
+                                                           const uint16_t *bias, float *y) {
+    int64_t m0 = 0;
+    for (; m0 + DOT_ROWS <= M; m0 += DOT_ROWS) dot_block(DOT_ROWS, C, m0, nb, N, K, xb, packed, bias, y);
+    switch (M - m0) {
+        case 3: dot_block(3, C, m0, nb, N, K, xb, packed, bias, y); break;
+        case 2: dot_block(2, C, m0, nb, N, K, xb, packed, bias, y); break;
+        case 1: dot_block(1, C, m0, nb, N, K, xb, packed, bias, y); break;
+        default: break;
+    }
+}
+
+/* The same y as specplug_product's contract, on AVX-512 BF16 dot products: the weight in the same packed layout
+ * (each 16 pairs of a tile row are one 512-bit vector: 16 columns, a pair of K each). A single row takes eight
+ * column blocks at a time (eight accumulators in flight), more rows four by four. xb: M·K bf16 at least. */
+void specplug_product_dot(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *packed,
+                          const uint16_t *bias, float *y, uint16_t *xb) {
+    to_bf16(M, M, K, x, xb);
+    int64_t blocks = N / 16, width = M == 1 ? 2 * DOT_COLS : DOT_COLS, groups = (blocks + width - 1) / width;
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t nb = g * width, left = blocks - nb < width ? blocks - nb : width;
+        if (M == 1 && left >= 2 * DOT_COLS) { dot_block(1, 2 * DOT_COLS, 0, nb, N, K, xb, packed, bias, y); continue; }
+        for (; left >= DOT_COLS; left -= DOT_COLS, nb += DOT_COLS) dot_rows(DOT_COLS, M, nb, N, K, xb, packed, bias, y);
+        for (; left > 0; left--, nb++) dot_rows(1, M, nb, N, K, xb, packed, bias, y);
+    }
+}
+#endif

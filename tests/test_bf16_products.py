@@ -1,19 +1,20 @@
-"""bf16 products on AMX tiles: every row of any product is its one-row product, close to exact arithmetic, and
-where the tiles cannot run (no AMX, a shape that does not tile, a pinned choice) oneDNN's products run and the
-reason is recorded."""
+"""bf16 products on the kernel (AMX tiles or AVX-512 BF16 dot products, whichever this CPU has): every row of any
+product is its one-row product, close to exact arithmetic, and where the kernel cannot run (neither form, a shape
+that does not tile, a pinned choice) oneDNN's products run and the reason is recorded."""
 import pytest
 import torch
 
-from specplug import amx_products, few_rows, machine
+from specplug import bf16_products, few_rows, machine
 from specplug.lean_llama import Product
 from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-choice cache)
+from drifting_kernels import assert_drifting_rows_are_refused
 
 
-def _tiles(weight: torch.Tensor, bias: torch.Tensor | None = None) -> amx_products.TileProduct:
-    lib, reason = amx_products.load()
+def _tiles(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bf16_products.Bf16Product:
+    lib, reason = bf16_products.load()
     if lib is None:
-        pytest.skip(reason)  # no AMX here: the fallback is tested below
-    return amx_products.TileProduct(lib, weight, bias)
+        pytest.skip(reason)  # neither form here: the fallback is tested below
+    return bf16_products.Bf16Product(lib, weight, bias)
 
 
 @pytest.mark.parametrize("out_features,in_features,bias", [(32, 64, False), (48, 96, True), (512, 1536, True)])
@@ -42,44 +43,55 @@ def test_every_row_of_a_tile_product_is_its_one_row_product(bias):
 
 def test_lean_products_run_on_tiles_with_any_row_count_as_one_product():
     weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    if amx_products.supports(weight):
-        pytest.skip(amx_products.supports(weight))
+    if bf16_products.supports(weight):
+        pytest.skip(bf16_products.supports(weight))
     product = Product(weight)
     assert product.tiles is not None and product.packed is None
-    [choice] = [c for c in machine.machine_choices() if c.name == amx_products.CHOICE]
-    assert choice.value == amx_products.AMX
+    [choice] = [c for c in machine.machine_choices() if c.name == bf16_products.CHOICE]
+    assert choice.value == bf16_products.load()[0].form
     x = torch.randn(100, 64)  # more rows than oneDNN keeps bit-identical: here one product, no pieces
     assert torch.equal(product(x), torch.cat([product(x[i:i + 1]) for i in range(100)]))
 
 
 def test_shapes_the_tiles_do_not_take_run_through_onednn_and_say_why():
     weight = torch.randn(40, 64).to(torch.bfloat16)
-    assert amx_products.choose(weight) is None
-    [choice] = [c for c in machine.machine_choices() if c.name == amx_products.CHOICE]
-    assert choice.value == amx_products.ONEDNN and choice.why
-    assert "float32" in amx_products.supports(torch.randn(32, 64))
+    assert bf16_products.choose(weight) is None
+    [choice] = [c for c in machine.machine_choices() if c.name == bf16_products.CHOICE]
+    assert choice.value == bf16_products.ONEDNN and choice.why
+    assert "float32" in bf16_products.supports(torch.randn(32, 64))
 
 
 def test_tiles_whose_rows_differ_from_one_row_products_are_not_used(monkeypatch):
     weight = torch.randn(64, 64).to(torch.bfloat16)
-    if amx_products.supports(weight):
-        pytest.skip(amx_products.supports(weight))
-    real = amx_products.TileProduct.__call__
-
-    def drifting(self, x):  # a kernel whose rounding moves with the row count
-        return real(self, x) * (1 + 2.0 ** -10 * (x.reshape(-1, x.shape[-1]).shape[0] > 16))
-
-    monkeypatch.setattr(amx_products.TileProduct, "__call__", drifting)
-    assert amx_products.choose(weight) is None
-    [choice] = [c for c in machine.machine_choices() if c.name == amx_products.CHOICE]
-    assert choice.value == amx_products.ONEDNN and "differ" in choice.why
-    monkeypatch.setenv(machine.OVERRIDE_ENV, f"{amx_products.CHOICE}={amx_products.AMX}")
-    with pytest.raises(ValueError, match="rows differ"):
-        amx_products.choose(weight)
+    if bf16_products.supports(weight):
+        pytest.skip(bf16_products.supports(weight))
+    assert_drifting_rows_are_refused(monkeypatch, bf16_products, bf16_products.Bf16Product, weight,
+                                     bf16_products.ONEDNN, bf16_products.load()[0].form, 16, 2.0 ** -10)
 
 
 def test_pinning_onednn_keeps_products_off_the_tiles(monkeypatch):
-    monkeypatch.setenv(machine.OVERRIDE_ENV, f"{amx_products.CHOICE}={amx_products.ONEDNN}")
+    monkeypatch.setenv(machine.OVERRIDE_ENV, f"{bf16_products.CHOICE}={bf16_products.ONEDNN}")
     weight = torch.randn(64, 64).to(torch.bfloat16)
-    assert amx_products.choose(weight) is None
+    assert bf16_products.choose(weight) is None
     assert Product(weight).tiles is None
+
+
+def _load_with_flags(monkeypatch, flags: set[str]):
+    bf16_products.load.cache_clear()
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    try:
+        return bf16_products.load()
+    finally:
+        bf16_products.load.cache_clear()
+
+
+def test_a_cpu_with_neither_amx_nor_avx512_bf16_runs_onednn_and_says_why(monkeypatch):
+    kernel, reason = _load_with_flags(monkeypatch, {"avx2", "fma"})
+    assert kernel is None and "AVX-512 BF16" in reason
+
+
+def test_a_cpu_without_amx_runs_the_avx512_form_where_it_was_built(monkeypatch):
+    kernel, reason = _load_with_flags(monkeypatch, {"avx512f", "avx512_bf16"})
+    if kernel is None:
+        pytest.skip(reason)  # this compiler or CPU built no AVX-512 BF16 form
+    assert kernel.form == bf16_products.DOT
