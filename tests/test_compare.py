@@ -58,7 +58,8 @@ def test_hf_peer_runs_on_the_same_prompts_and_its_greedy_tokens_equal_ours(tiny_
     peer = {p["peer"]: p for p in json.loads(result.stdout)["peer"]}
     assert set(peer) == {"hf-target-only", "hf-assisted", "hf-prompt-lookup"}
     assert peer["hf-target-only"]["ours"] == "target-only" and peer["hf-target-only"]["gamma"] == 0
-    assert all(p["greedy_equal_to_ours"] is True and p["ours_over_peer"] > 0 for p in peer.values())
+    assert all(p["greedy_equal_to_ours"] is True and p["greedy_agreement"] == "equal" and p["ours_over_peer"] > 0
+               for p in peer.values())
 
 
 def test_compare_rejects_an_unknown_workload(tiny_dirs, tmp_path):

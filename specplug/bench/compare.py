@@ -19,13 +19,14 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 
 from specplug.decode import generate
+from specplug.engine import prompt_ids
 from specplug.machine import machine_choices
 from specplug.metrics import GenerationStats, aggregate, predicted_speedup
 from specplug.plugins import get_proposer, list_proposers
 from specplug.sampling import SamplingParams
 from specplug.target import Target
 
-from . import confidence
+from . import agreement, confidence
 from .workloads import Workload
 
 SCHEMA = "specplug.compare/1"
@@ -178,7 +179,9 @@ def run_compare(target: Target, specs: Sequence[ProposerSpec], workloads: Sequen
     settings = {"max_new_tokens": max_new_tokens, "repeats": repeats, "gammas": list(gammas),
                 "temperatures": list(temperatures), "peer": peer,
                 "workloads": [{"name": w.name, "prompts": len(w.prompts), "samples": w.samples} for w in workloads]}
-    report = summarise(runs, target=target_info(target), settings=settings, skipped=skipped, memory=memory, ours=ours)
+    ids = {(w.name, i): prompt_ids(target, p) for w in workloads for i, p in enumerate(w.prompts)}
+    report = summarise(runs, target=target_info(target), settings=settings, skipped=skipped, memory=memory, ours=ours,
+                       agree=lambda pairs: agreement.agreement(target, [(ids[p[:2]], a, b) for p, a, b in pairs]))
     report["machine"]["wall_time_s"] = time.perf_counter() - started
     return report
 
@@ -255,9 +258,12 @@ def _same_work(pair: tuple) -> tuple:
 
 
 def summarise(runs: Mapping[tuple, list[tuple[tuple, Run]]], *, target: dict, settings: dict, skipped=(),
-              memory: Mapping[str, int] | None = None, ours: Mapping[str, str] | None = None) -> dict:
+              memory: Mapping[str, int] | None = None, ours: Mapping[str, str] | None = None,
+              agree: Callable[[list[tuple[tuple, list[int], list[int]]]], str] | None = None) -> dict:
     """The report (schema ``specplug.compare/1``) from the runs, keyed ``("baseline", workload, T)``,
-    ``(proposer, workload, T, γ)`` or ``(peer run, γ, workload, T)``, each a list of (pair, Run)."""
+    ``(proposer, workload, T, γ)`` or ``(peer run, γ, workload, T)``, each a list of (pair, Run). ``agree``
+    tells a peer's greedy agreement from its (pair, our tokens, its tokens) (see
+    :func:`specplug.bench.agreement.agreement`); without it only token-for-token equality counts."""
     report = {
         "schema": SCHEMA, "target": target, "settings": settings,
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
@@ -279,7 +285,7 @@ def summarise(runs: Mapping[tuple, list[tuple[tuple, Run]]], *, target: dict, se
         if key[0] == "baseline":
             continue
         if key[0] in (ours or {}):
-            report["peer"].append(_peer_row(key, entries, base_by_pair, runs, ours))
+            report["peer"].append(_peer_row(key, entries, base_by_pair, runs, ours, agree))
         else:
             report["cells"].append(_cell_row(key, entries, base_by_pair, base_slow, base_step[key[1:3]],
                                              (memory or {}).get(key[0])))
@@ -347,7 +353,7 @@ def _cell_row(key, entries, base_by_pair, base_slow, base_step, memory_bytes) ->
     }
 
 
-def _peer_row(key, entries, base_by_pair, runs, ours_labels) -> dict:
+def _peer_row(key, entries, base_by_pair, runs, ours_labels, agree) -> dict:
     from .peer_vllm import pooled_acceptance  # τ from a peer's own counters (None for the HF peer)
 
     name, g, wl, t = key
@@ -358,11 +364,14 @@ def _peer_row(key, entries, base_by_pair, runs, ours_labels) -> dict:
         ours = {pair: r for pair, r in runs.get(ours_key, [])}
     speedups = [base_by_pair[pair].seconds_per_token / r.seconds_per_token for pair, r in entries]
     ours_over_peer = [r.seconds_per_token / ours[pair].seconds_per_token for pair, r in entries if pair in ours]
-    equal = None
+    found = None
     if t == 0 and ours:
-        equal = all(r.tokens == ours[pair].tokens for pair, r in entries if pair in ours)
+        pairs = [(pair, ours[pair].tokens, r.tokens) for pair, r in entries if pair in ours]
+        found = (agree(pairs) if agree else
+                 agreement.EQUAL if all(a == b for _, a, b in pairs) else agreement.DIFFER)
     return {"peer": name, "workload": wl, "temperature": t, "gamma": g, "runs": len(entries),
             "tokens_per_second": _median([r.stats.tokens_per_second for _, r in entries]),
             "speedup": _median(speedups), "ours": ours_key[0],
-            "ours_over_peer": _median(ours_over_peer), "greedy_equal_to_ours": equal,
+            "ours_over_peer": _median(ours_over_peer), "greedy_equal_to_ours": None if found is None else found == agreement.EQUAL,
+            "greedy_agreement": found,
             **pooled_acceptance([r for _, r in entries])}

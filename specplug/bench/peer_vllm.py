@@ -49,12 +49,14 @@ from specplug.integrations.vllm import engine_kwargs, require_vllm
 from specplug.metrics import GenerationStats
 from specplug.sampling import GREEDY
 from specplug.plugins import get_proposer
+from specplug.bench import agreement
 
 PREFIX = "vllm-"
 # how long vLLM's idle worker keeps spinning on its message queue after a request (shm_broadcast's busy
 # loop, 1 s): waited out after each run so that the spin never overlaps our next measured run
 IDLE_SPIN_S = 1.1
 DEFAULT_KV_GIB = "1"
+LOAD_MARKS = {None: "", agreement.EQUAL: "", agreement.TIES: " ties", agreement.DIFFER: " NOT EQUAL"}
 WARM_UP_PROMPT = "def f(x):\n"  # an engine's first steps, on no request of the bench
 
 
@@ -303,7 +305,8 @@ def render_load(rows: list[dict], console=None) -> None:
     sizes = sorted({r["batch_size"] for r in rows})
     by = {(r["peer"], r["gamma"], r["batch_size"]): r for r in rows}
     table = Table(title="vLLM on the same requests: goodput tokens/s (ours over vLLM, vLLM's τ); greedy cells "
-                        "equal ours target-only token for token unless marked NOT EQUAL")
+                        "equal ours target-only token for token unless marked: 'ties' where rows part only at "
+                        "rounding ties of the target's logits, NOT EQUAL elsewhere")
     table.add_column("vLLM")
     for B in sizes:
         table.add_column(f"B={B}", justify="right")
@@ -312,7 +315,7 @@ def render_load(rows: list[dict], console=None) -> None:
         for B in sizes:
             r = by[(label, g, B)]
             fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-            equal = {None: "", True: "", False: " NOT EQUAL"}[r["greedy_equal_to_ours"]]
+            equal = LOAD_MARKS[r.get("greedy_agreement")]
             cells.append(f"{fmt(r['goodput_tokens_per_s'], '.1f')} ({fmt(r['ours_over_peer'], '.2f')}× "
                          f"{r['ours']}, τ {fmt(r['mean_acceptance_length'], '.2f')}){equal}")
         table.add_row(f"{label} γ={g}" if g else label, *cells)
@@ -380,7 +383,7 @@ class VLLMPeer:
                     tokens, wall, c = run_capped(llm, ids, params, B)
                     n = sum(map(len, tokens))
                     yield (*key, B, {"wall_s": wall, "tokens": n, "goodput": n / wall if wall else None,
-                                     "tokens_by_row": tokens, **c})
+                                     "tokens_by_row": tokens, "ids_by_row": ids, **c})
                     if stateful:
                         shutdown(llm)
                         llm = None
@@ -390,7 +393,8 @@ class VLLMPeer:
 
     def load_rows(self, peer_runs: dict, runs: dict, temperature: float) -> list[dict]:
         """The load report's peer rows: per engine and batch size, goodput, vLLM's τ, ours over vLLM (paired
-        by repeat against the matching variant) and whether greedy tokens equal our target-only run's."""
+        by repeat against the matching variant) and whether greedy tokens equal our target-only run's, or part
+        from them only at rounding ties (:mod:`specplug.bench.agreement`)."""
         rows = []
         for (label, g, B), entries in peer_runs.items():
             ours = "target-only" if self.ours[label] == "target-only" else f"{self.ours[label]} γ={g}"
@@ -404,9 +408,16 @@ class VLLMPeer:
                                            if m["goodput"] and e["goodput"]]),
                 "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
                 "acceptance_rate": accepted / drafted if drafted else None,
-                "greedy_equal_to_ours": (all(e["tokens_by_row"] == b["tokens_by_row"] for e, b in zip(entries, base))
-                                         if temperature == 0 else None)})
+                **self._greedy_agreement([(p, b_row, e_row) for e, b in zip(entries, base)
+                                          for p, b_row, e_row in zip(e["ids_by_row"], b["tokens_by_row"],
+                                                                      e["tokens_by_row"])] if temperature == 0 else None)})
         return rows
+
+    def _greedy_agreement(self, runs: list[tuple] | None) -> dict:
+        """The report's two greedy fields for (prompt ids, ours, theirs) runs; None for both where sampled."""
+        found = None if runs is None else agreement.agreement(self.target, runs)
+        return {"greedy_equal_to_ours": None if found is None else found == agreement.EQUAL,
+                "greedy_agreement": found}
 
     def close(self) -> None:
         for llm in self.engines.values():

@@ -7,12 +7,14 @@ import html
 import io
 import json
 
+from .agreement import DIFFER, EQUAL, TIES
 from .confidence import BUSY
 
 PEER_TITLES = {"hf": "Hugging Face transformers' assisted generation on the same target, draft and prompts",
                "vllm": "vLLM on the same target, drafts and prompts (τ from vLLM's own counters)"}
 PLOTS = ("speedup_vs_gamma", "per_position_acceptance", "latency_distribution", "measured_vs_predicted",
          "verify_cost_vs_nodes")
+GREEDY_MARKS = {None: "-", EQUAL: "yes", TIES: "ties", DIFFER: "NO"}  # "ties": parted only at rounding ties
 WIDTH = 120
 WIDE_WIDTH = 200
 RATIO_NOTE = ("meas/pred: speed-up ÷ τ/(γc + v), what this cell's τ, c and scoring cost v (in target-only steps) "
@@ -153,11 +155,21 @@ def tables(report: dict, wide: bool = False) -> list:
     for col in ("peer", "workload", "T", "γ", "tok/s", "speed-up", "τ", "ours vs peer", "greedy = ours"):
         peer.add_column(col, justify="left" if col in ("peer", "workload") else "right", no_wrap=True)
     for p in report["peer"]:
-        equal = {None: "-", True: "yes", False: "NO"}[p["greedy_equal_to_ours"]]
+        equal = GREEDY_MARKS[_peer_agreement(p)]
         peer.add_row(p["peer"], p["workload"], _fmt(p["temperature"], "g"), str(p["gamma"]),
                      _fmt(p["tokens_per_second"], ".1f"), _fmt(p["speedup"]), _fmt(p.get("mean_acceptance_length")),
                      f"{_fmt(p['ours_over_peer'])}x {p['ours']}", equal)
+    if any(_peer_agreement(p) == TIES for p in report["peer"]):
+        peer.caption = ("ties: the outputs part only where our target rates both tokens within rounding "
+                        "(the engines sum their products in other orders)")
     return [t, peer]
+
+
+def _peer_agreement(p: dict) -> str | None:
+    """A peer row's greedy agreement (reports written before it was recorded: from equality alone)."""
+    if "greedy_agreement" in p:
+        return p["greedy_agreement"]
+    return {None: None, True: EQUAL, False: DIFFER}[p["greedy_equal_to_ours"]]
 
 
 def print_report(report: dict, console, wide: bool = False) -> None:
