@@ -10,32 +10,48 @@ from tiny import private_machine_cache  # noqa: F401 (autouse: a private speed-c
 from drifting_kernels import assert_drifting_rows_are_refused
 
 
-def _tiles(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bf16_products.Bf16Product:
-    lib, reason = bf16_products.load()
-    if lib is None:
-        pytest.skip(reason)  # neither form here: the fallback is tested below
-    return bf16_products.Bf16Product(lib, weight, bias)
+def _load_with_flags(monkeypatch, flags: set[str]):
+    bf16_products.load.cache_clear()
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    try:
+        return bf16_products.load()
+    finally:
+        bf16_products.load.cache_clear()
+
+
+@pytest.fixture(params=["this CPU's form", "the AVX-512 form"])
+def kernel(request, monkeypatch) -> bf16_products.Compiled:
+    """The kernel in the form this machine runs, and in its AVX-512 form where that was built (on a CPU with AMX
+    the AVX-512 form is otherwise never run)."""
+    if request.param == "the AVX-512 form":
+        compiled, reason = _load_with_flags(monkeypatch, {"avx512f", "avx512_bf16"})
+    else:
+        compiled, reason = bf16_products.load()
+    if compiled is None:
+        pytest.skip(reason)  # not built here: the fallback is tested below
+    return compiled
 
 
 @pytest.mark.parametrize("out_features,in_features,bias", [(32, 64, False), (48, 96, True), (512, 1536, True)])
-def test_tile_products_agree_with_exact_arithmetic_to_bf16_rounding(out_features, in_features, bias):
+def test_tile_products_agree_with_exact_arithmetic_to_bf16_rounding(kernel, out_features, in_features, bias):
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
     b = torch.randn(out_features, generator=g).to(torch.bfloat16) if bias else None
     x = torch.randn(37, in_features, generator=g)
-    got = _tiles(weight, b)(x).double()
+    got = bf16_products.Bf16Product(kernel, weight, b)(x).double()
     exact = x.to(torch.bfloat16).double() @ weight.double().T + (0 if b is None else b.double())
     # the result is rounded to bf16 (8 significant bits): within one unit there, plus float32 accumulation
     assert ((got - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-5 * in_features).all()
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_every_row_of_a_tile_product_is_its_one_row_product(bias):
+@pytest.mark.parametrize("out_features,bias", [(48, False), (48, True), (272, True)])
+def test_every_row_of_a_tile_product_is_its_one_row_product(kernel, out_features, bias):
     """The property a verify pass relies on: rows scored together get the bits each gets alone, for any count
-    (within and across 16-row tiles and 4-tile groups), on inputs that expose any change of summation order."""
-    w, x, b = few_rows.sensitive_inputs(48, 128, torch.bfloat16, "cpu", bias)
+    (within and across 16-row tiles and 4-tile groups; for the AVX-512 form, 4-row blocks and column groups of
+    8 and 4 with a remainder: 272 columns are 17 blocks), on inputs that expose any change of summation order."""
+    w, x, b = few_rows.sensitive_inputs(out_features, 128, torch.bfloat16, "cpu", bias)
     x = torch.cat([x, x.flip(0)]).float()
-    tiles = _tiles(w, b)
+    tiles = bf16_products.Bf16Product(kernel, w, b)
     one = torch.cat([tiles(x[i:i + 1]) for i in range(x.shape[0])])
     for rows in range(1, x.shape[0] + 1):
         assert torch.equal(tiles(x[:rows]), one[:rows]), rows
@@ -74,15 +90,6 @@ def test_pinning_onednn_keeps_products_off_the_tiles(monkeypatch):
     weight = torch.randn(64, 64).to(torch.bfloat16)
     assert bf16_products.choose(weight) is None
     assert Product(weight).tiles is None
-
-
-def _load_with_flags(monkeypatch, flags: set[str]):
-    bf16_products.load.cache_clear()
-    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
-    try:
-        return bf16_products.load()
-    finally:
-        bf16_products.load.cache_clear()
 
 
 def test_a_cpu_with_neither_amx_nor_avx512_bf16_runs_onednn_and_says_why(monkeypatch):
