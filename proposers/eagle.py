@@ -216,7 +216,7 @@ class EagleProposer(FeatureHeadProposer):
 def _projection(subset: torch.Tensor | None, target, int8: bool) -> Projection:
     """The target's LM head for drafting: over a subset (a copy of its rows), or all of it (shared by reference,
     or one int8 copy)."""
-    return projection_onto(target.lm_head.weight, subset, int8, whole=target.lm_head)
+    return projection_onto(target.lm_head.weight, subset, int8, whole=target.head_product)
 
 
 @hookimpl

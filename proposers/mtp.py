@@ -210,7 +210,7 @@ class MTPProposer(Proposer):
         """One projection per head: the target's LM head (one projection shared by every head) or each head's
         own output projection, over ``subset``."""
         if self.heads.proj is None:
-            shared = projection_onto(self.target.lm_head.weight, subset, int8, whole=self.target.lm_head)
+            shared = projection_onto(self.target.lm_head.weight, subset, int8, whole=self.target.head_product)
             return [shared] * self.heads.num_heads
         return [projection_onto(proj.weight, subset, int8) for proj in self.heads.proj]
 

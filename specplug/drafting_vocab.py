@@ -103,7 +103,8 @@ class Projection:
 def projection_onto(weight: torch.Tensor, subset: torch.Tensor | None, int8: bool,
                     whole: torch.nn.Module | None = None) -> Projection:
     """A projection through ``weight`` (an LM head's [V, H]): its rows for ``subset`` (a copy), or all of it —
-    through ``whole`` (e.g. the target's LM head module, shared by reference) where given, else ``weight``
+    through ``whole`` (e.g. the target's :attr:`~specplug.target.Target.head_product`, shared by reference) where
+    given, else ``weight``
     itself; ``int8`` multiplies by an int8 copy (see :mod:`specplug.int8_products`)."""
     weight = weight.detach()
     if subset is None and not int8 and whole is not None:

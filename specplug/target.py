@@ -254,6 +254,13 @@ class Target:
         return self.model.get_output_embeddings()
 
     @property
+    def head_product(self):
+        """The LM head as this target's own forward multiplies by it: the lean path's product (on its bf16 or
+        rows kernel, shared, no copy) where the lean path runs, else the model's module. For drafters that
+        project onto the whole vocabulary (HF's module runs oneDNN's one-row product, several times slower)."""
+        return self.lean.head if self.lean is not None else self.lm_head
+
+    @property
     def final_norm(self) -> torch.nn.Module | None:
         return getattr(getattr(self.model, "model", None), "norm", None)
 

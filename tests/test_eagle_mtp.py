@@ -340,3 +340,12 @@ def test_a_trainer_gives_the_caller_its_thread_count_back(small_target, tmp_path
     train_head(args, "eagle", EagleHead.for_target(small_target.model.config), eagle_loss(small_target, 0.1, 1.0, 0.1, 0),
                small_target, {"tokens": tokens.to(torch.int32), "features": feats.to(torch.float16)}, log=lambda *a: None)
     assert torch.get_num_threads() == before
+
+
+def test_a_whole_vocabulary_head_drafts_through_the_targets_own_head_product(small_target):
+    """Not a copy and not HF's module (oneDNN's one-row product, several times slower on some CPUs): the very
+    product the target's lean forward scores with (mtp heads that share the target's LM head take it alike)."""
+    proposer = random_proposer("eagle", small_target, weights="target")
+    assert small_target.lean is not None
+    for projection in (proposer.greedy_projection, proposer.sampled_projection):
+        assert projection.product is small_target.head_product is small_target.lean.head
