@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -101,11 +101,10 @@ class Projection:
 
 
 def projection_onto(weight: torch.Tensor, subset: torch.Tensor | None, int8: bool,
-                    whole: torch.nn.Module | None = None) -> Projection:
+                    whole: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Projection:
     """A projection through ``weight`` (an LM head's [V, H]): its rows for ``subset`` (a copy), or all of it —
-    through ``whole`` (e.g. the target's :attr:`~specplug.target.Target.head_product`, shared by reference) where
-    given, else ``weight``
-    itself; ``int8`` multiplies by an int8 copy (see :mod:`specplug.int8_products`)."""
+    through ``whole`` (e.g. the target's :attr:`~specplug.target.Target.head_product`, shared by reference)
+    where given, else ``weight`` itself; ``int8`` multiplies by an int8 copy (see :mod:`specplug.int8_products`)."""
     weight = weight.detach()
     if subset is None and not int8 and whole is not None:
         return Projection(None, whole)

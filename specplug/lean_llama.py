@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 import transformers.activations
 
-from . import (activation_kernel, bf16_products, attention_kernel, few_rows, fused_layers, int8_products, machine,
+from . import (activation_kernel, attention_kernel, bf16_products, few_rows, fused_layers, int8_products, machine,
                norm_kernel, row_products)
 from .int8_products import Int8Product
 

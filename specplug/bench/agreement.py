@@ -39,6 +39,12 @@ def logits_after(target: Target, ids: Sequence[int]) -> torch.Tensor:
     return target.forward(KVState(), list(ids), logits_to_keep=1).logits[-1].float()
 
 
+def report_fields(found: str | None) -> dict:
+    """A report row's greedy fields from an agreement (None where sampled): ``greedy_equal_to_ours`` (token for
+    token) and ``greedy_agreement`` (EQUAL, TIES or DIFFER)."""
+    return {"greedy_equal_to_ours": None if found is None else found == EQUAL, "greedy_agreement": found}
+
+
 def agreement(target: Target, runs: Iterable[tuple[Sequence[int], Sequence[int], Sequence[int]]]) -> str:
     """EQUAL where every ``(prompt ids, ours, theirs)`` matches token for token, TIES where each that does not
     parts first at a position where our target rates both engines' tokens within rounding, DIFFER otherwise."""

@@ -372,6 +372,5 @@ def _peer_row(key, entries, base_by_pair, runs, ours_labels, agree) -> dict:
     return {"peer": name, "workload": wl, "temperature": t, "gamma": g, "runs": len(entries),
             "tokens_per_second": _median([r.stats.tokens_per_second for _, r in entries]),
             "speedup": _median(speedups), "ours": ours_key[0],
-            "ours_over_peer": _median(ours_over_peer), "greedy_equal_to_ours": None if found is None else found == agreement.EQUAL,
-            "greedy_agreement": found,
+            "ours_over_peer": _median(ours_over_peer), **agreement.report_fields(found),
             **pooled_acceptance([r for _, r in entries])}

@@ -408,16 +408,14 @@ class VLLMPeer:
                                            if m["goodput"] and e["goodput"]]),
                 "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
                 "acceptance_rate": accepted / drafted if drafted else None,
-                **self._greedy_agreement([(p, b_row, e_row) for e, b in zip(entries, base)
-                                          for p, b_row, e_row in zip(e["ids_by_row"], b["tokens_by_row"],
-                                                                      e["tokens_by_row"])] if temperature == 0 else None)})
+                **agreement.report_fields(self._greedy_agreement(entries, base) if temperature == 0 else None)})
         return rows
 
-    def _greedy_agreement(self, runs: list[tuple] | None) -> dict:
-        """The report's two greedy fields for (prompt ids, ours, theirs) runs; None for both where sampled."""
-        found = None if runs is None else agreement.agreement(self.target, runs)
-        return {"greedy_equal_to_ours": None if found is None else found == agreement.EQUAL,
-                "greedy_agreement": found}
+    def _greedy_agreement(self, entries: list[dict], base: list[dict]) -> str:
+        """How vLLM's greedy rows agree with our target-only rows of the same repeats."""
+        return agreement.agreement(self.target, [
+            (ids, ours, theirs) for e, b in zip(entries, base)
+            for ids, ours, theirs in zip(e["ids_by_row"], b["tokens_by_row"], e["tokens_by_row"])])
 
     def close(self) -> None:
         for llm in self.engines.values():
