@@ -36,6 +36,7 @@ import torch
 from specplug.verifier import (VERIFICATIONS, Proposal, ProposalError, TreeProposal, Verdict, validate_proposal,
                                verify_batch, verify_greedy, verify_tree_greedy)
 
+from . import argmax_kernel
 from .metrics import GenerationStats
 from .policies import FixedPolicy
 from .rows import RowScores
@@ -146,6 +147,7 @@ class Request:
     drafting: bool = False  # its proposer is in use (False: target-only, or dropped after begin/observe failed)
     owes_end: bool = False  # begin() was called and end() not yet
     drafted_last: bool = False  # its drafter ran last step (if not, it catches up when it next does)
+    greedy: bool = False  # its sampling is greedy (read every step: kept here, not asked of its params)
     result: GenerationResult | None = None
     # this step's
     asked: int = 0
@@ -201,12 +203,15 @@ class Engine:
         self.requests = [Request(i, SequenceState(ids=list(p), num_prompt=len(p), sampling=s,
                                                   rng=s.generator(target.device), target=target,
                                                   request_id=next(_request_ids)),
-                                 budgets[i], policies[i], GenerationStats(prompt_tokens=len(p)))
+                                 budgets[i], policies[i], GenerationStats(prompt_tokens=len(p)), greedy=s.greedy)
                          for i, (p, s) in enumerate(zip(ids, samplings))]
         self.waiting = list(self.requests)
         self.live: list[Request] = []
         self.rows = target.new_rows()
         self.no_draft = Proposal.empty(self.device)  # shared by every row that drafts nothing (never written)
+        form = getattr(target, "greedy_form", None)  # the form chosen for this target on this machine
+        self.greedy_ids = (argmax_kernel.greedy_ids_for(form, argmax_ids) if form is not None
+                           and self.device.type == "cpu" else argmax_ids)
         self.warned = False
         self.t_start = time.perf_counter()
 
@@ -233,14 +238,15 @@ class Engine:
         self._choose()
         self._propose()
         t1 = time.perf_counter()
-        trees = [r.proposal if is_tree(r.proposal) else None for r in self.live]
-        scores = self.rows.score([[r.seq.ids[-1], *r.proposal.tokens.tolist()] for r in self.live], self.features,
-                                 trees=trees if any(t is not None for t in trees) else None)
+        trees = ([r.proposal if is_tree(r.proposal) else None for r in self.live]
+                 if any(is_tree(r.proposal) for r in self.live) else None)
+        scores = self.rows.score([[r.seq.ids[-1], *r.proposal.ids] for r in self.live], self.features, trees=trees)
         t2 = time.perf_counter()
         verdicts = self._verify(scores)
         # keep [last, accepted drafts] in the cache (a tree: its accepted path); the next step feeds the emitted token
         self.rows.keep([len(r.seq.ids) + v.accepted for r, v in zip(self.live, verdicts)],
-                       [kept_rows(t, v) if t is not None else None for t, v in zip(trees, verdicts)])
+                       None if trees is None else [None if t is None else kept_rows(t, v)
+                                                   for t, v in zip(trees, verdicts)])
         t3 = time.perf_counter()
         return self._settle(verdicts, scores, t0, (t1 - t0, t2 - t1, t3 - t2))
 
@@ -357,13 +363,13 @@ class Engine:
         """Each row's verdict: greedy rows from the argmax (p is one-hot: no uniforms), sampled rows by the rule
         in one vectorised call, each with uniforms from its own generator."""
         verdicts: list[Verdict | None] = [None] * len(self.live)
-        greedy = [j for j, r in enumerate(self.live) if r.seq.sampling.greedy]
+        greedy = [j for j, r in enumerate(self.live) if r.greedy]
         if greedy:
-            best = argmax_ids(scores.logits)
+            best = self.greedy_ids(scores.logits)
             for j in greedy:
                 rule = verify_tree_greedy if is_tree(self.live[j].proposal) else verify_greedy
                 verdicts[j] = rule(best[scores.span(j)], self.live[j].proposal)
-        sampled = [j for j, r in enumerate(self.live) if not r.seq.sampling.greedy]
+        sampled = [j for j, r in enumerate(self.live) if not r.greedy]
         chains = [j for j in sampled if not is_tree(self.live[j].proposal)]
         trees = [j for j in sampled if is_tree(self.live[j].proposal)]
         for rows, rule in ((chains, self._verify_sampled), (trees, self._verify_trees)):

@@ -236,6 +236,10 @@ def machine_choices() -> list[Choice]:
 
 def forget() -> None:
     """Drop this process's decisions and its copy of the cache file (tests; after changing SPECPLUG_* settings)."""
-    global _disk
+    global _disk, generation
     _decided.clear()
     _disk = None
+    generation += 1
+
+
+generation = 0  # how many times decisions were forgotten: a caller keeping a choice at hand re-decides after one

@@ -115,7 +115,7 @@ class LeanRows(TargetRows):
         self.caches: list[LeanCache] = []
 
     def _layers(self, features: Sequence[str]) -> dict[str, int]:
-        return {name: feature_layer(name, self.num_layers) for name in features}
+        return {name: feature_layer(name, self.num_layers) for name in features} if features else {}
 
     def add(self, prompts, features=()):
         layers = self._layers(features)

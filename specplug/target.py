@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from . import few_rows, zoo
+from . import argmax_kernel, few_rows, zoo
 from .hf_compat import cache_kwargs, output_cache
 from .lean_llama import LeanCache, lean_or_reason
 from .rows import LeanRows, PaddedRows, TargetRows, feature_layer
@@ -130,6 +130,8 @@ class Target:
             few_rows.install(model)
         # probed now, not in the first timed step: rows a product may have and keep one-row products' bits
         self.identical_rows: int = few_rows.warm(model)
+        # greedy ids' form, chosen with the target's other forms (a compile the first time on a machine)
+        self.greedy_form = argmax_kernel.chosen() if self.device.type == "cpu" else None
         self.lean, self.lean_note = lean_or_reason(model) if lean else (None, "lean=False")
         self.bit_identity: dict[str, bool] = {}
         self.verify_bit_identical: bool | None = None  # None: not probed (probe=False)

@@ -49,12 +49,13 @@ def tree_stays_clean():
 def without_a_compiler(monkeypatch):
     """A machine with no C compiler, as specplug finds one: every kernel's library is looked for afresh (and again
     after the test), and no machine choice is remembered."""
-    from specplug import activation_kernel, attention_kernel, fused_layers, machine, native, norm_kernel, row_products
+    from specplug import (activation_kernel, argmax_kernel, attention_kernel, fused_layers, machine, native,
+                          norm_kernel, row_products)
 
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
-    loads = (native.build, activation_kernel.load, attention_kernel.load, norm_kernel.load, row_products.load,
-             fused_layers.load)
+    loads = (native.build, activation_kernel.load, argmax_kernel.load, attention_kernel.load, norm_kernel.load,
+             row_products.load, fused_layers.load)
 
     def forget():
         for load in loads:

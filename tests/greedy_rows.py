@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
+
 import specplug
 from specplug import machine
 
@@ -18,6 +20,15 @@ def pinned_forms(monkeypatch, setting: str):
         yield
     finally:
         machine.forget()
+
+
+@contextlib.contextmanager
+def kernel_form_pinned(monkeypatch, choice: str, form: str, load):
+    """:func:`pinned_forms` for ``choice=form``, skipped where the form is "kernel" and ``load()`` finds none."""
+    if form == "kernel" and load()[0] is None:
+        pytest.skip(load()[1])
+    with pinned_forms(monkeypatch, f"{choice}={form}"):
+        yield
 
 
 def assert_batched_greedy_rows_equal_target_only(target, proposer, prompts=PROMPTS, max_new_tokens: int = 40) -> None:

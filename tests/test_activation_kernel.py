@@ -4,7 +4,7 @@ or is pinned off."""
 import pytest
 import torch
 
-from greedy_rows import assert_batched_greedy_rows_equal_target_only, pinned_forms
+from greedy_rows import assert_batched_greedy_rows_equal_target_only, kernel_form_pinned
 from specplug import activation_kernel, machine
 
 
@@ -101,9 +101,7 @@ def test_either_activation_form_keeps_batched_speculative_greedy_rows_equal_to_t
                                                                                            monkeypatch):
     import specplug
 
-    if form == "kernel" and activation_kernel.load()[0] is None:
-        pytest.skip(activation_kernel.load()[1])
-    with pinned_forms(monkeypatch, f"activation={form}"):
+    with kernel_form_pinned(monkeypatch, "activation", form, activation_kernel.load):
         target = specplug.Target.from_pretrained(tiny_dirs["target"])
         assert target.lean is not None and (target.lean.layers[0].act_kernel is not None) == (form == "kernel")
         assert_batched_greedy_rows_equal_target_only(target, specplug.get_proposer("ngram"))

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from greedy_rows import assert_batched_greedy_rows_equal_target_only, pinned_forms
+from greedy_rows import assert_batched_greedy_rows_equal_target_only, kernel_form_pinned
 from specplug import machine, norm_kernel
 
 
@@ -73,9 +73,7 @@ def test_either_norm_form_keeps_batched_speculative_greedy_rows_equal_to_target_
     import specplug
 
     monkeypatch.setenv(machine.OVERRIDE_ENV, f"rms_norm={form}")
-    if form == "kernel" and norm_kernel.load()[0] is None:
-        pytest.skip(norm_kernel.load()[1])
-    with pinned_forms(monkeypatch, f"rms_norm={form}"):
+    with kernel_form_pinned(monkeypatch, "rms_norm", form, norm_kernel.load):
         target = specplug.Target.from_pretrained(tiny_dirs["target"])
         assert target.lean is not None and (target.lean.layers[0].norm_in.kernel is not None) == (form == "kernel")
         assert_batched_greedy_rows_equal_target_only(target, specplug.get_proposer("ngram"))

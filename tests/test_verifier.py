@@ -76,6 +76,16 @@ def test_greedy_shortcut_gives_the_general_rule_verdict_on_one_hot_p(q_kind):
         assert (got.accepted, got.tokens, got.proposed) == (want.accepted, want.tokens, want.proposed)
 
 
+def test_a_proposals_ids_follow_its_tokens_when_they_are_replaced():
+    """The loop reads ``ids`` (the tokens as ints, read once) to score, verify and count: a proposal whose tokens
+    are replaced after it was made must not verify its old ones."""
+    proposal = Proposal(torch.tensor([3, 1]))
+    assert proposal.ids == [3, 1] and proposal.k == 2
+    proposal.tokens = torch.tensor([2])
+    assert proposal.ids == [2] and proposal.k == 1
+    assert verify_greedy([2, 0], proposal).tokens == [2, 0]
+
+
 def test_point_mass_draft_is_accepted_with_probability_p_of_the_token():
     n = 100_000
     p = torch.tensor([[0.3, 0.7, 0.0, 0.0, 0.0], [0.2] * 5]).expand(n, 2, V)

@@ -11,7 +11,22 @@ class ProposalError(ValueError):
 
 
 @dataclass
-class Proposal:
+class DraftIds:
+    """What every proposal offers the loop: ``ids``, its ``tokens`` as Python ints, read once per tensor."""
+
+    _ids: tuple | None = field(default=None, init=False, repr=False, compare=False)  # (tokens, their list)
+
+    @property
+    def ids(self) -> list[int]:
+        """``tokens`` as Python ints (the loop reads them to score, verify and count; do not modify the list)."""
+        cached = self._ids
+        if cached is None or cached[0] is not self.tokens:
+            cached = self._ids = (self.tokens, self.tokens.tolist())
+        return cached[1]
+
+
+@dataclass
+class Proposal(DraftIds):
     """k draft tokens and the distribution q each one was actually drawn from.
 
     ``q`` is a dense ``[k, V]`` tensor of probabilities over the target vocabulary, or ``None`` for a
@@ -41,7 +56,8 @@ class Proposal:
 
     @property
     def k(self) -> int:
-        return int(self.tokens.numel())
+        cached = self._ids
+        return len(cached[1]) if cached is not None and cached[0] is self.tokens else int(self.tokens.numel())
 
     @property
     def is_point_mass(self) -> bool:

@@ -171,7 +171,7 @@ def verify_greedy(target_argmax: torch.Tensor | list[int], proposal: Proposal) -
     check the proposal (``validate_proposal``) first, as for :func:`verify`.
     """
     best = target_argmax.tolist() if isinstance(target_argmax, torch.Tensor) else list(target_argmax)
-    drafts = proposal.tokens.tolist()
+    drafts = proposal.ids
     if len(best) != len(drafts) + 1:
         raise ProposalError(f"need the argmax of k+1 = {len(drafts) + 1} target rows, got {len(best)}")
     accepted = 0

@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .proposal import Proposal, ProposalError, Verdict
+from .proposal import DraftIds, Proposal, ProposalError, Verdict
 from .rule import validate_draft_rows
 
 
 @dataclass
-class TreeProposal:
+class TreeProposal(DraftIds):
     """n draft nodes in topological order (parent before child), siblings in the order they are to be tried.
 
     tokens: [n] drafted ids. parents: [n] index of each node's parent node, -1 for a child of the root (the
