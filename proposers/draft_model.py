@@ -12,13 +12,14 @@ draft the LM head over all V tokens is most of a step, and rare tokens are rarel
 """
 from __future__ import annotations
 
+import copy
 import os
 from typing import Sequence
 
 import torch
 
-from specplug import draft_stop, int8_products, zoo
-from specplug.drafting_products import drafting_weights
+from specplug import bf16_products, draft_stop, few_rows, int8_products, machine, zoo
+from specplug.drafting_products import drafting_weights, faster_drafting_form, linear_shapes
 from specplug.drafting_vocab import Projection, read_ranks, same_subset, sampled_or_greedy, vocab_subset
 from specplug.plugins.hookspecs import hookimpl
 from specplug.lean_llama import LeanCache, Product, lean_or_reason
@@ -56,17 +57,22 @@ class DraftModelProposer(Proposer):
         :func:`specplug.drafting_vocab.sampled_or_greedy`).
 
         ``weights``: ``"loaded"`` multiplies by the weights as loaded (``dtype``); ``"int8"`` by weight-only int8
-        copies of every product (see :mod:`specplug.int8_products`; needs the lean path, ``fast=True``). None
-        (the default): int8 where the lean path runs, torch has the kernel for the device and int8 drafts faster
-        on this machine (timed once, :func:`specplug.drafting_products.drafting_weights`), else loaded.
+        copies of every product (see :mod:`specplug.int8_products`; needs the lean path, ``fast=True``);
+        ``"bf16"`` by a bfloat16 copy of the draft, activations staying float32 (needs the lean path; on
+        specplug's bf16 kernel every layer then runs in C). None (the default): int8 where the lean path runs,
+        torch has the kernel for the device and int8 drafts faster on this machine (timed once,
+        :func:`specplug.drafting_products.drafting_weights`), else loaded; then, for a float32 draft it loaded
+        itself on a CPU with the bf16 kernel, bf16 where a whole drafted token is faster so (timed once,
+        :func:`specplug.drafting_products.faster_drafting_form`).
 
         ``tree``: a node budget: draft a dynamic tree of at most this many nodes by top-k expansion, ``tree_width``
         children per expanded node and nodes expanded per level, each level one masked lean run (see
         :meth:`propose_tree`; needs the lean path; ``stop_below`` does not apply); 0 drafts the chain."""
+        asked = weights  # None: this machine decides (below)
         self.tree = tree_budget(tree, "draft-model")
         self.tree_width = tree_width_checked(tree_width, "draft-model")
-        if weights is not None and weights not in ("loaded", "int8"):
-            raise ValueError(f"draft-model: weights must be 'loaded' or 'int8', got {weights!r}")
+        if weights is not None and weights not in WEIGHTS:
+            raise ValueError(f"draft-model: weights must be one of {', '.join(map(repr, WEIGHTS))}, got {weights!r}")
         if target is None:
             raise TypeError("draft-model needs target= (the Target it drafts for)")
         if model is None:
@@ -85,6 +91,7 @@ class DraftModelProposer(Proposer):
             tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
         # the lean path is chosen below (fast=); the Target wrapper is for HF's forward, vocabulary and text
         self.draft = Target(lm, tokenizer, name=str(getattr(lm.config, "_name_or_path", "")) or "draft", lean=False)
+        self.bf16_model: torch.nn.Module | None = None
         _check_vocabulary(target, self.draft)
         # one-row copies: drafting is one row a step, and the draft's small matrices multiply one row fastest
         # column-major (see lean_llama.Product)
@@ -118,6 +125,44 @@ class DraftModelProposer(Proposer):
                                    else self._projection(self.sampled_subset, lm, device))
         if self.lean is not None:
             self.lean.head = self.greedy_projection.product  # the model's own head product is not used
+        if asked == "bf16" or (asked is None and not isinstance(model, torch.nn.Module)):
+            self._bf16_products(lm, device, chosen=asked == "bf16")
+
+    def _bf16_products(self, lm: torch.nn.Module, device, chosen: bool) -> None:
+        """Multiply in bfloat16 (a copy of the draft; activations stay float32, as the target's bf16 products
+        run) where ``chosen``, or by default where that drafts faster here than the form built so far: on
+        specplug's bf16 kernel every layer can then run in C (:mod:`specplug.fused_layers`)."""
+        if self.lean is None:
+            if chosen:
+                raise ValueError(f"draft-model: weights='bf16' needs the lean path, which this draft cannot take "
+                                 f"({self.lean_note})")
+            return
+        shapes = linear_shapes(lm)
+        nbytes = sum(n * k for n, k in shapes) * 4
+        if not chosen and (torch.device(device).type != "cpu" or self.lean.dtype != torch.float32
+                           or bf16_products.load()[0] is None or nbytes < machine.MIN_BYTES):
+            return  # no kernel to run bf16 products on, or too small to matter: the form built so far stands
+        lm16 = copy.deepcopy(lm)
+        few_rows.install(lm16, weight_dtype=torch.bfloat16)
+        lean, note = lean_or_reason(lm16)
+        if lean is None:
+            if chosen:
+                raise ValueError(f"draft-model: weights='bf16': the lean path does not take the bf16 copy ({note})")
+            return
+        before = self.lean, self.weights, self.greedy_projection, self.sampled_projection
+        self.lean, self.weights = lean, "bf16"
+        self.greedy_projection = self._projection(self.subset, lm16, device)
+        self.sampled_projection = (self.greedy_projection if same_subset(self.subset, self.sampled_subset)
+                                   else self._projection(self.sampled_subset, lm16, device))
+        lean.head = self.greedy_projection.product
+        if not chosen:
+            key = (f"float32 {device} " + " ".join(f"{n}x{k}" for n, k in shapes)
+                   + f" drafting over {self.greedy_projection.product.weight.shape[0]}: {before[1]} or bf16")
+            forms = {before[1]: (before[0], before[2].product), "bf16": (lean, self.greedy_projection.product)}
+            if faster_drafting_form(forms, before[1], key, nbytes) != "bf16":
+                self.lean, self.weights, self.greedy_projection, self.sampled_projection = before
+                return
+        self.bf16_model = lm16  # what the lean form multiplies by (HF's forward, unused here, keeps the loaded one)
 
     def _projection(self, subset: torch.Tensor | None, lm: torch.nn.Module, device) -> Projection:
         """The draft's LM head for drafting over ``subset`` (a copy of its rows: the head computes only those)
@@ -312,8 +357,12 @@ class DraftModelProposer(Proposer):
     def memory_bytes(self) -> int:
         layers = 0 if self.lean is None else sum(p.nbytes() for layer in self.lean.layers for p in layer.products())
         projections = {id(p): p for p in (self.greedy_projection, self.sampled_projection)}.values()
+        models = [self.draft.model] + ([self.bf16_model] if self.bf16_model is not None else [])
         return (layers + sum(p.copied_bytes for p in projections)
-                + sum(p.numel() * p.element_size() for p in self.draft.model.parameters()))
+                + sum(p.numel() * p.element_size() for m in models for p in m.parameters()))
+
+
+WEIGHTS = ("loaded", "int8", "bf16")
 
 
 def _default_draft(target: Target):

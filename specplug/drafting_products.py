@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from . import int8_products, machine
-from .lean_llama import Product
+from .lean_llama import LeanLlama, Product
 
 
 def linear_shapes(module: torch.nn.Module) -> list[tuple[int, int]]:
@@ -63,3 +63,25 @@ def head_weights(shapes: Sequence[tuple[int, int]], target, advice: str | None) 
     alternative = advice if advice in ("target", "float32") else "target"
     dtype = torch.float32 if alternative == "float32" else getattr(target, "matmul_dtype", None) or target.dtype
     return drafting_weights(shapes, target.device, dtype, alternative, advice)
+
+
+def faster_drafting_form(forms: dict[str, tuple[LeanLlama, Product]], default: str, key: str, nbytes: int) -> str:
+    """Which of a drafter's lean forms (each a lean forward and its head) drafts one token faster after a short
+    context on this machine: timed whole, since a form's gain may lie outside its products (bf16 products let
+    every layer run in C, :mod:`specplug.fused_layers`), once per machine and ``key`` (choice ``draft_products``);
+    the ``default`` stands unless another is faster by more than the margin, or where the weights (``nbytes``) are
+    too small to matter."""
+    timed = {}
+    for name, (lean, head) in forms.items():
+        cache = lean.new_cache()
+        vocab = lean.embedding.shape[0]
+        lean.forward(cache, [i % vocab for i in range(1, 33)], head=head)
+
+        def draft_four(lean=lean, head=head, cache=cache):
+            start = cache.length
+            for token in (1, 2, 3, 4):
+                lean.forward(cache, [token % vocab], head=head)
+            cache.crop(start)
+
+        timed[name] = draft_four
+    return machine.faster("draft_products", key, timed, default, nbytes)

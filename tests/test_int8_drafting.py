@@ -128,7 +128,7 @@ def test_bad_weights_setting_names_the_proposer(small_vocab_dirs, small_target):
         EagleProposer(small_target, head="random", weights="int4")
     with pytest.raises(ValueError, match="mtp: weights must be one of 'int8', 'loaded'"):
         MTPProposer(small_target, head="random", weights="float32")
-    with pytest.raises(ValueError, match="draft-model: weights must be 'loaded' or 'int8'"):
+    with pytest.raises(ValueError, match="draft-model: weights must be one of 'loaded', 'int8', 'bf16'"):
         DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="fp8")
     with pytest.raises(ValueError, match="draft-model: weights='int8' needs the lean path"):
         DraftModelProposer(target=small_target, model=small_vocab_dirs["draft"], weights="int8", fast=False)
