@@ -1,9 +1,10 @@
-"""`draft-model`'s weight forms side by side, interleaved in one process: goodput and what a drafted token costs.
+"""A model drafter's weight forms side by side, interleaved in one process: goodput and what a drafted token costs.
 
-    python benchmarks/draft_weights.py [--weights int8,bf16] [--batch-sizes 1,16] [--gamma 4] [--prompts 16]
-                                       [--tokens 128] [--repeats 3]
+    python benchmarks/draft_weights.py [-p draft-model] [--weights int8,bf16] [--batch-sizes 1,16] [--gamma 4]
+                                       [--prompts 16] [--tokens 128] [--repeats 3]
 
-One proposer per form (``weights=``) over the same target; every repeat runs each (batch size × form) cell back to
+One proposer per form (its ``weights=``: ``draft-model`` int8 / bf16 / loaded, ``eagle``, ``eagle3`` and ``mtp``
+int8 / target / float32 or loaded) over the same target; every repeat runs each (batch size × form) cell back to
 back over held-out HumanEval prompts, greedy (B = 1 decodes the first 4 prompts one at a time). Prints tokens/s
 and drafting milliseconds a drafted token (a row's share where rows draft together), medians of the repeats, and
 whether every form's greedy rows equal target-only's.
@@ -32,7 +33,8 @@ def cell(target, proposer, prompts, batch: int, gamma: int, tokens: int) -> tupl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="zoo:pycode")
-    ap.add_argument("--weights", default="int8,bf16", help="forms to compare (draft-model's weights=)")
+    ap.add_argument("-p", "--proposer", default="draft-model")
+    ap.add_argument("--weights", default="int8,bf16", help="forms to compare (the proposer's weights=)")
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=16)
@@ -40,7 +42,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     target = specplug.Target.from_pretrained(args.target)
-    forms = {w: specplug.get_proposer("draft-model", target=target, weights=w) for w in args.weights.split(",")}
+    forms = {w: specplug.get_proposer(args.proposer, target=target, weights=w) for w in args.weights.split(",")}
     prompts = humaneval_prompts(args.prompts)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     rows = {b: prompts if b > 1 else prompts[:4] for b in sizes}
