@@ -308,8 +308,8 @@ class DraftModelProposer(Proposer):
                 first = False
             stopped = set()
             if all(seqs[j].sampling.greedy for j in live):  # one argmax for all rows
-                best, subset = argmax_ids(logits), projection.subset
-                for j, token in zip(live, best if subset is None else subset[best].tolist()):
+                best = argmax_ids(logits)
+                for j, token in zip(live, best if projection.ids is None else [projection.ids[b] for b in best]):
                     tokens[j].append(token)
                 if self.stop_below:
                     top = torch.softmax(logits.float(), -1).amax(-1).tolist()
