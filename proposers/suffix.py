@@ -404,11 +404,15 @@ class SuffixProposer(Proposer):
 
     name = "suffix"
 
-    def __init__(self, target=None, max_depth: int = 64, factor: float = 1.0, min_token_prob: float = 0.1,
+    def __init__(self, target=None, max_depth: int = 16, factor: float = 1.0, min_token_prob: float = 0.1,
                  max_cached_requests: int = 10_000, max_cached_tokens: int = 1_000_000, prompt_tail: int = 16,
                  tree: int = 0):
         """``tree``: a node budget: draft several continuations of the matched node as a tree of at most this
-        many nodes (see :meth:`propose_tree`); 0 drafts one continuation, a chain."""
+        many nodes (see :meth:`propose_tree`); 0 drafts one continuation, a chain.
+
+        ``max_depth`` 16 rather than SuffixDecoding's 64: on the zoo's code a match of at most 16 - k tokens
+        drafted as well or better (HumanEval γ = 6: 3.42 tokens a step against 2.98) and every accepted token
+        indexes a quarter of the active suffixes (docs/proposers.md)."""
         if max_depth < 1:
             raise ValueError(f"suffix: max_depth must be >= 1, got {max_depth}")
         if factor < 0:
