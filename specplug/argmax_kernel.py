@@ -106,15 +106,12 @@ def chosen() -> Callable[[torch.Tensor], list[int]]:
     return _kept[1]
 
 
-def greedy_ids_for(form: Callable[[torch.Tensor], list[int]], fallback: Callable[[torch.Tensor], list[int]]
-                   ) -> Callable[[torch.Tensor], list[int]]:
-    """For a loop whose logits are on the CPU: contiguous float32 rows by ``form`` (a :func:`chosen` form, looked
-    up once rather than per call: after a pass each lookup's code is out of cache), other logits by
-    ``fallback``."""
-
-    def greedy_ids(logits: torch.Tensor) -> list[int]:
-        if logits.dtype == torch.float32 and logits.is_contiguous():
-            return form(logits)
-        return fallback(logits)
-
-    return greedy_ids
+def cpu_greedy_ids(logits: torch.Tensor, form: Callable[[torch.Tensor], list[int]]) -> list[int]:
+    """Each row's argmax of CPU ``logits`` [..., V]: contiguous float32 rows by ``form`` (a :func:`chosen` form; a
+    loop looks it up once rather than per call, since after a pass each lookup's code is out of cache), others
+    by numpy (bfloat16 widened first: numpy has none, and widening keeps every value and so the argmax)."""
+    if logits.dtype == torch.float32 and logits.is_contiguous():
+        return form(logits)
+    if logits.dtype not in (torch.float32, torch.float64, torch.float16):
+        logits = logits.float()
+    return by_numpy(logits)

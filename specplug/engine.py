@@ -24,6 +24,7 @@ path (:mod:`specplug.tree_steps`). ``verification="block"`` verifies sampled cha
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import time
@@ -147,7 +148,6 @@ class Request:
     drafting: bool = False  # its proposer is in use (False: target-only, or dropped after begin/observe failed)
     owes_end: bool = False  # begin() was called and end() not yet
     drafted_last: bool = False  # its drafter ran last step (if not, it catches up when it next does)
-    greedy: bool = False  # its sampling is greedy (read every step: kept here, not asked of its params)
     result: GenerationResult | None = None
     # this step's
     asked: int = 0
@@ -203,15 +203,15 @@ class Engine:
         self.requests = [Request(i, SequenceState(ids=list(p), num_prompt=len(p), sampling=s,
                                                   rng=s.generator(target.device), target=target,
                                                   request_id=next(_request_ids)),
-                                 budgets[i], policies[i], GenerationStats(prompt_tokens=len(p)), greedy=s.greedy)
+                                 budgets[i], policies[i], GenerationStats(prompt_tokens=len(p)))
                          for i, (p, s) in enumerate(zip(ids, samplings))]
         self.waiting = list(self.requests)
         self.live: list[Request] = []
         self.rows = target.new_rows()
         self.no_draft = Proposal.empty(self.device)  # shared by every row that drafts nothing (never written)
         form = getattr(target, "greedy_form", None)  # the form chosen for this target on this machine
-        self.greedy_ids = (argmax_kernel.greedy_ids_for(form, argmax_ids) if form is not None
-                           and self.device.type == "cpu" else argmax_ids)
+        self.greedy_ids = (functools.partial(argmax_kernel.cpu_greedy_ids, form=form)
+                           if form is not None and self.device.type == "cpu" else argmax_ids)
         self.warned = False
         self.t_start = time.perf_counter()
 
@@ -363,13 +363,13 @@ class Engine:
         """Each row's verdict: greedy rows from the argmax (p is one-hot: no uniforms), sampled rows by the rule
         in one vectorised call, each with uniforms from its own generator."""
         verdicts: list[Verdict | None] = [None] * len(self.live)
-        greedy = [j for j, r in enumerate(self.live) if r.greedy]
+        greedy = [j for j, r in enumerate(self.live) if r.seq.sampling.greedy]
         if greedy:
             best = self.greedy_ids(scores.logits)
             for j in greedy:
                 rule = verify_tree_greedy if is_tree(self.live[j].proposal) else verify_greedy
                 verdicts[j] = rule(best[scores.span(j)], self.live[j].proposal)
-        sampled = [j for j, r in enumerate(self.live) if not r.greedy]
+        sampled = [j for j, r in enumerate(self.live) if not r.seq.sampling.greedy]
         chains = [j for j in sampled if not is_tree(self.live[j].proposal)]
         trees = [j for j in sampled if is_tree(self.live[j].proposal)]
         for rows, rule in ((chains, self._verify_sampled), (trees, self._verify_trees)):

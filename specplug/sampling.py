@@ -66,11 +66,7 @@ def argmax_ids(logits: torch.Tensor) -> list[int]:
     built), others to numpy."""
     if logits.device.type != "cpu":
         return logits.argmax(-1).reshape(-1).tolist()
-    if logits.dtype == torch.float32 and logits.is_contiguous():
-        return argmax_kernel.chosen()(logits)
-    if logits.dtype not in (torch.float64, torch.float16):
-        logits = logits.float()  # numpy has no bfloat16; widening keeps every value and so the argmax
-    return argmax_kernel.by_numpy(logits)
+    return argmax_kernel.cpu_greedy_ids(logits, argmax_kernel.chosen())
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
