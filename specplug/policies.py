@@ -84,6 +84,10 @@ MEASURE_K = 2
 REPRICE_EVERY = 2
 # predicted gains within this share count as a tie (no drafting): measured costs are noisy
 TIE = 0.01
+# a pass longer than any measured lately is hoped to rise per token at this share of the flattest rise measured
+# lately: exploring where it would need to be twice as cheap a token as any measured (some shapes hit faster
+# kernels), not where it would need to cost nothing more (at B = 16 on a CPU every token costs arithmetic)
+HOPE_RISE = 0.5
 # a probe may draft in every row, its drafters catching up on what they missed, where that costs no more than
 # this share of the plain steps since every row last drafted: so at most ~3% of the time speculation is off
 CATCH_UP_SHARE = 1 / 32
@@ -346,9 +350,10 @@ class MeasuredCosts:
     def hopeful_verify_time(self, n: int, batch_size: int, stale_after: int = REMEASURE_AFTER) -> float | None:
         """The cheapest cost consistent with what was measured lately, for a pass not measured lately (never,
         or ``stale_after`` steps ago): between two passes that were, interpolated; beyond the longest, and at
-        most twice as long as it, that one's cost (scoring more never costs less, and may cost hardly more: on
-        a CPU with bf16 products 9 tokens cost ~1.3 one-token steps, and some shapes hit faster kernels than
-        shorter ones). Elsewhere :meth:`verify_time`. (One point of :meth:`verify_curve`, which prices choices.)"""
+        most twice as long as it, that one's cost rising at HOPE_RISE of the flattest rate per token measured
+        lately between them (scoring more never costs less, and may cost hardly more: on a CPU with bf16 products at B = 1, 9
+        tokens cost ~1.3 one-token steps; where every token was measured dear, as at B = 16 on a CPU, a longer
+        pass is no cheaper per token). Elsewhere :meth:`verify_time`. (One point of :meth:`verify_curve`, which prices choices.)"""
         return self.verify_curve(n, batch_size, stale_after)[n]
 
     @_memoised
@@ -442,13 +447,20 @@ def _along_upto(here: list[tuple[int, float]], upto: int) -> list[float | None]:
 def _hope(fresh: list[tuple[int, float]], n: int) -> float | None:
     """The cheapest plausible cost of scoring n tokens a row, from the passes measured lately (``fresh``,
     sorted): between two interpolated; beyond the longest shorter one, and at most twice its length, its
-    cost; else None (see :meth:`MeasuredCosts.hopeful_verify_time`)."""
+    cost rising at HOPE_RISE of the flattest rate measured lately (flat with one point); else None (see
+    :meth:`MeasuredCosts.hopeful_verify_time`)."""
     shorter = [(m, t) for m, t in fresh if m < n]
     if shorter and any(m > n for m, _ in fresh):
         return _between(fresh, n)  # between two passes measured lately: no need to explore it
     if shorter and n <= 2 * shorter[-1][0]:
-        return shorter[-1][1]
+        m, t = shorter[-1]
+        return t + HOPE_RISE * _flattest_rise(fresh) * (n - m)
     return None
+
+
+def _flattest_rise(points: list[tuple[int, float]]) -> float:
+    """The smallest rise in seconds per token between neighbouring points (sorted, non-decreasing); 0 for one."""
+    return min(((t1 - t0) / (m1 - m0) for (m0, t0), (m1, t1) in zip(points, points[1:])), default=0.0)
 
 
 def _between(points: list[tuple[int, float]], x: float) -> float | None:
@@ -603,8 +615,8 @@ class CostModelPolicy(GammaPolicy):
     chosen on an extrapolated scoring cost is measured by that step and the choice revisited. Scoring cost
     is not linear in the tokens scored (bf16 products are nearly flat in the rows, some shapes hit slower
     kernels than longer ones), so where a draft would clearly win if its scoring pass, unmeasured or not
-    measured for REMEASURE_AFTER steps while drafting, cost no more than a shorter pass measured lately, it
-    drafts that long to measure it — at most twice that shorter length, so a pass that proves dear costs a
+    measured for REMEASURE_AFTER steps while drafting, cost no more than a shorter pass measured lately plus
+    half the flattest rise per token measured lately, it drafts that long to measure it — at most twice that shorter length, so a pass that proves dear costs a
     bounded step. It explores only while drafting: from off (a choice of k = 0, or a probe) such a step would
     make every row's drafter catch up on what it missed.
 
@@ -788,9 +800,9 @@ class CostModelPolicy(GammaPolicy):
             margin = TIE if self._measure_from_off(batch_size) else self.switch_on_margin
             return 0 if best < (1 + margin) * rates[0] else rates.index(best)
         # Explore a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago) if
-        # it would clearly win were that pass no dearer than a shorter one measured lately: a line through short
-        # passes misjudges long ones both ways, and a measurement never repeated can lock in a pause. Each such
-        # step at most doubles a measured length.
+        # it would clearly win were that pass no dearer than a shorter one measured lately plus half the
+        # flattest rise per token measured lately: a line through short passes misjudges long ones both ways, and a
+        # measurement never repeated can lock in a pause. Each such step at most doubles a measured length.
         hopeful = [r or 0.0 for r in self._rates(tokens, max_ks, batch_size, cap, REMEASURE_AFTER, positions)]
         explore = max(range(cap + 1), key=lambda k: hopeful[k])
         longest = math.ceil(positions[explore])  # the longer pass a step asking that many scores
@@ -1009,7 +1021,7 @@ class CostModelPolicy(GammaPolicy):
 
     def _probe_k(self, acceptances: list[Acceptance], max_ks: list[int], batch_size: int) -> int:
         """The k a probe drafting in every row asks: the drafting length that would pay best were passes not
-        measured lately no dearer than a shorter one that was (at most twice its length), MEASURE_K at least.
+        measured lately at their hopeful cost (:meth:`MeasuredCosts.hopeful_verify_time`), MEASURE_K at least.
         Such a probe measures the pass a switch back on would use, not only the short one measured at the
         start, on whose line a longer pass is often priced too high to ever switch on."""
         cap = min(self.max_gamma, max(max_ks))

@@ -4,8 +4,8 @@ import torch
 
 import specplug
 from specplug.plugins import UnknownProposerError, get_policy, list_policies
-from specplug.policies import (MEASURE_K, REMEASURE_AFTER, REPRICE_EVERY, Acceptance, CostModelPolicy, GammaPolicy,
-                               HeuristicPolicy, MeasuredCosts, _step_positions)
+from specplug.policies import (HOPE_RISE, MEASURE_K, REMEASURE_AFTER, REPRICE_EVERY, Acceptance, CostModelPolicy,
+                               GammaPolicy, HeuristicPolicy, MeasuredCosts, _step_positions)
 from specplug.testing import EXACTNESS_ALPHA, chi_square_pvalue, exact_distribution, sampled_distribution
 from specplug.types import Proposal, Proposer
 
@@ -464,10 +464,11 @@ def run_with_true_costs(policy, seq, truth, accepted_share, steps):
 
 
 def test_cost_model_measures_a_long_draft_when_a_short_pass_only_looks_dear(tiny_target):
-    # scoring 2-3 tokens hits a slow kernel (30 ms, three plain steps) while 4-5 tokens cost 21 ms: the line
+    # scoring 2-3 tokens hits a slow kernel (25 ms, 2.5 plain steps) while 4-5 tokens cost 13 ms: the line
     # through 1 and 3 tokens (what the measuring steps score) would rule drafting out; exploring tries the long
-    # pass (at most twice a measured length), finds it cheap, and keeps it
-    truth = {1: 0.010, 2: 0.030, 3: 0.030, 4: 0.0205, 5: 0.021}.get
+    # pass (at most twice a measured length, hoped to rise at HOPE_RISE of the measured rate), finds it cheap,
+    # and keeps it
+    truth = {1: 0.010, 2: 0.025, 3: 0.025, 4: 0.0125, 5: 0.013}.get
     policy = CostModelPolicy(max_gamma=4, probe_every=1000)
     seq = seq_state(tiny_target)
     policy.begin(seq)
@@ -520,7 +521,24 @@ def test_a_pass_between_two_measured_lately_is_interpolated_not_explored():
     for n in (1, 2, 4, 8):
         costs.observe(n - 1, 0.0, 0.016 + 0.010 * (n - 1), 16)
     assert costs.hopeful_verify_time(6, 16) == pytest.approx(0.016 + 0.010 * 5)
-    assert costs.hopeful_verify_time(9, 16) == pytest.approx(costs.verify_time(8, 16))  # beyond: still hopeful
+    assert costs.hopeful_verify_time(9, 16) == pytest.approx(costs.verify_time(8, 16) + HOPE_RISE * 0.010)  # beyond
+
+
+def test_a_pass_beyond_those_measured_lately_is_hoped_to_rise_with_their_flattest_rate_not_to_cost_nothing_more():
+    # at 16 rows on a CPU every scored token costs arithmetic: a plain pass 10 ms, 3 tokens a row 16 ms, 5 tokens
+    # 21 ms. Hoping a 6- to 10-token pass costs the 5-token pass's 21 ms made every unmeasured length look like
+    # a clear win, so a fresh policy spent its first steps drafting deep to measure passes that lost. The hope
+    # now rises at HOPE_RISE of the flattest rise measured lately (2.5 ms a token), where it once rose not at all.
+    costs = MeasuredCosts()
+    for n, seconds in [(1, 0.010), (3, 0.016), (5, 0.021)]:
+        costs.observe(n - 1, 0.0, seconds, 16)
+    hope = costs.hopeful_verify_time(8, 16)
+    assert 0.021 < hope <= 0.021 + 3 * 0.0025 and hope == pytest.approx(0.021 + HOPE_RISE * 3 * 0.0025)
+    assert costs.hopeful_verify_time(11, 16) == pytest.approx(costs.verify_time(11, 16))  # beyond twice: no hope
+    flat = MeasuredCosts()
+    for n, seconds in [(1, 0.010), (2, 0.010), (5, 0.013)]:  # a flat first step: longer passes may be as cheap
+        flat.observe(n - 1, 0.0, seconds, 1)
+    assert flat.hopeful_verify_time(8, 1) == pytest.approx(0.013)
 
 
 def test_drafting_more_rows_is_never_estimated_cheaper_nor_fewer_rows_dearer():
