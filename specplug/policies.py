@@ -1036,7 +1036,7 @@ class CostModelPolicy(GammaPolicy):
         for a switch back on to repay: any gain beyond a tie switches speculation on (:meth:`_chosen`), and
         every probe drafts in every row (:meth:`_probe_in_every_row`)."""
         plain = self.costs.verify_time(1, batch_size)
-        return (batch_size > 1 and self._catch_up is not None and plain is not None
+        return (self._catch_up is not None and plain is not None
                 and batch_size * self._catch_up <= plain_steps * plain)
 
     def _probe_in_every_row(self, batch_size: int) -> bool:

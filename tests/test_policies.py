@@ -955,6 +955,16 @@ def test_where_catching_up_is_cheap_a_probe_measures_every_row_so_one_dear_pass_
     assert all(min(ks) > 0 for ks in chosen[probe + 1:])
 
 
+def test_a_single_sequence_whose_drafter_catches_up_cheaply_is_not_kept_off_by_one_dear_pass():
+    # the same at B = 1 (ngram alone): a one-token probe scores a 2-token pass measured at twice a plain step
+    # long ago, and only a 10% predicted gain switched speculation on, so it stayed off for all 100 steps.
+    # Catching up is as cheap for one row as for four: the probe measures a drafted pass and it switches on
+    policy, seqs = off_with_a_dear_pass_measured_long_ago(catch_up=0.0003, rows=1, dear=0.027)
+    chosen = [ks[0] for ks in ngram_like_batch(policy, seqs, 100, catch_up=0.0003)]
+    assert max(chosen[:50]) >= MEASURE_K
+    assert min(chosen[-20:]) > 0
+
+
 def test_where_catching_up_is_dear_a_probe_drafts_in_one_row_only():
     # the same dear pass, but each drafter catching up costs 20 ms (a model drafter): all four would cost far
     # more than a plain step, so probes stay in one row and speculation off ("Off means off")
