@@ -160,15 +160,18 @@ def record(name: str, key: str, value: str, why: str, source: str) -> Choice:
 
 def seconds(forms: dict[str, Callable[[], object]], repeats: int = 9) -> dict[str, float]:
     """The fewest seconds each form took over ``repeats`` interleaved runs: on a busy machine others' work only
-    ever adds time, and interleaving spreads a long pause over every form alike."""
+    ever adds time, and interleaving spreads a long pause over every form alike. The order turns each repeat:
+    a call right after another form's can run slower (after oneDNN's bf16 product, ~10% at one row), and in a
+    fixed order one form would always pay that."""
     times: dict[str, list[float]] = {name: [] for name in forms}
+    names = list(forms)
     with torch.inference_mode():
         for fn in forms.values():
             fn()  # warm up: first calls allocate and pick kernels
-        for _ in range(repeats):
-            for name, fn in forms.items():
+        for rep in range(repeats):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
                 start = time.perf_counter()
-                fn()
+                forms[name]()
                 times[name].append(time.perf_counter() - start)
     return {name: min(t) for name, t in times.items()}
 

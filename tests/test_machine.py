@@ -56,6 +56,14 @@ def test_a_decision_is_cached_on_disk_per_machine_and_reused_without_a_probe(tim
     assert machine.faster("demo", "k", FORMS, "plain", BIG) == "plain" and timings.probes == 2
 
 
+def test_a_probe_turns_the_order_of_its_forms_so_none_always_runs_right_after_another():
+    calls = []
+    forms = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    assert set(machine.seconds(forms, repeats=3)) == {"a", "b", "c"}
+    timed = calls[3:]  # after one warm-up call each
+    assert [timed[i:i + 3] for i in (0, 3, 6)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+
+
 def machine_choices_named(name):
     return [c for c in machine.machine_choices() if c.name == name]
 
