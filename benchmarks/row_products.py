@@ -66,7 +66,8 @@ def bf16_forms(source: str | None, workdir: Path) -> Callable[[torch.Tensor], tu
         lib = compiled(source, workdir)
         fn = lib.specplug_product if kernel.form == bf16_products.AMX else lib.specplug_product_dot
         fn.argtypes, fn.restype = [native.I64] * 3 + [native.PTR] * 5, None
-        lib.specplug_product_pack.argtypes, lib.specplug_product_pack.restype = [native.I64] * 2 + [native.PTR] * 2, None
+        lib.specplug_product_pack.argtypes = [native.I64] * 2 + [native.PTR] * 2
+        lib.specplug_product_pack.restype = None
         other = bf16_products.Compiled(kernel.form, fn, lib.specplug_product_pack)
 
     def forms(weight: torch.Tensor) -> tuple[list[str], list[Form]]:

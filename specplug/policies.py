@@ -351,9 +351,10 @@ class MeasuredCosts:
         """The cheapest cost consistent with what was measured lately, for a pass not measured lately (never,
         or ``stale_after`` steps ago): between two passes that were, interpolated; beyond the longest, and at
         most twice as long as it, that one's cost rising at HOPE_RISE of the flattest rate per token measured
-        lately between them (scoring more never costs less, and may cost hardly more: on a CPU with bf16 products at B = 1, 9
-        tokens cost ~1.3 one-token steps; where every token was measured dear, as at B = 16 on a CPU, a longer
-        pass is no cheaper per token). Elsewhere :meth:`verify_time`. (One point of :meth:`verify_curve`, which prices choices.)"""
+        lately between them (scoring more never costs less, and may cost hardly more: on a CPU with bf16
+        products at B = 1, 9 tokens cost ~1.3 one-token steps; where every token was measured dear, as at B = 16
+        on a CPU, a longer pass is no cheaper per token). Elsewhere :meth:`verify_time`. (One point of
+        :meth:`verify_curve`, which prices choices.)"""
         return self.verify_curve(n, batch_size, stale_after)[n]
 
     @_memoised
@@ -616,9 +617,9 @@ class CostModelPolicy(GammaPolicy):
     is not linear in the tokens scored (bf16 products are nearly flat in the rows, some shapes hit slower
     kernels than longer ones), so where a draft would clearly win if its scoring pass, unmeasured or not
     measured for REMEASURE_AFTER steps while drafting, cost no more than a shorter pass measured lately plus
-    half the flattest rise per token measured lately, it drafts that long to measure it — at most twice that shorter length, so a pass that proves dear costs a
-    bounded step. It explores only while drafting: from off (a choice of k = 0, or a probe) such a step would
-    make every row's drafter catch up on what it missed.
+    HOPE_RISE of the flattest rise per token measured lately, it drafts that long to measure it — at most twice
+    that shorter length, so a pass that proves dear costs a bounded step. It explores only while drafting: from
+    off (a choice of k = 0, or a probe) such a step would make every row's drafter catch up on what it missed.
 
     After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
     noticed, and it switches back on only for a predicted gain above ``switch_on_margin`` (every drafter then
@@ -800,9 +801,10 @@ class CostModelPolicy(GammaPolicy):
             margin = TIE if self._measure_from_off(batch_size) else self.switch_on_margin
             return 0 if best < (1 + margin) * rates[0] else rates.index(best)
         # Explore a draft whose scoring pass was not measured lately (never, or REMEASURE_AFTER steps ago) if
-        # it would clearly win were that pass no dearer than a shorter one measured lately plus half the
-        # flattest rise per token measured lately: a line through short passes misjudges long ones both ways, and a
-        # measurement never repeated can lock in a pause. Each such step at most doubles a measured length.
+        # it would clearly win were that pass no dearer than a shorter one measured lately plus HOPE_RISE of the
+        # flattest rise per token measured lately (hopeful_verify_time): a line through short passes misjudges
+        # long ones both ways, and a measurement never repeated can lock in a pause. Each such step at most
+        # doubles a measured length.
         hopeful = [r or 0.0 for r in self._rates(tokens, max_ks, batch_size, cap, REMEASURE_AFTER, positions)]
         explore = max(range(cap + 1), key=lambda k: hopeful[k])
         longest = math.ceil(positions[explore])  # the longer pass a step asking that many scores

@@ -211,6 +211,7 @@ void specplug_product(int64_t M, int64_t N, int64_t K, const float *x, const uin
  * vector than 4 × 4 kept the dot products ~15% busier over a verify pass's rows. */
 #define DOT_ROWS 6 /* rows of x sharing each loaded weight vector */
 #define DOT_COLS 4 /* column blocks of 16 sharing each broadcast pair of x */
+_Static_assert(DOT_ROWS == 6, "dot_rows' switch names each block height from 1 to DOT_ROWS");
 
 /* R rows (from m0) by C column blocks (from nb): R·C accumulators, each from zero through the pairs of K in order,
  * so an element's sum is the same sequence of dot products whatever R and C. Constant R and C unroll. */
@@ -267,7 +268,8 @@ static __attribute__((noinline)) void dot_one_row(int64_t nb, int64_t N, int64_t
 
 /* The same y as specplug_product's contract, on AVX-512 BF16 dot products: the weight in the same packed layout
  * (each 16 pairs of a tile row are one 512-bit vector: 16 columns, a pair of K each). A single row takes eight
- * column blocks at a time (eight accumulators in flight), more rows four by four. xb: M·K bf16 at least. */
+ * column blocks at a time (eight accumulators in flight), more rows up to DOT_ROWS by DOT_COLS (dot_rows). xb: M·K
+ * bf16 at least. */
 void specplug_product_dot(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *packed,
                           const uint16_t *bias, float *y, uint16_t *xb) {
     to_bf16(M, M, K, x, xb);
