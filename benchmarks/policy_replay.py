@@ -34,16 +34,21 @@ measures. The replay takes both out, so a rule can be judged in seconds and A/B'
   waits, a batch drains: its slowest row sets how long the last steps run with fewer rows);
   ``--spell FIRST:LAST:FACTOR`` also replays a policy kept over ``--kept-runs`` runs that sees every cost
   ``FACTOR`` times dearer in its steps FIRST to LAST - 1, counted over those runs (a slow spell of a shared
-  machine, which a kept pass table remembers), and prints each run against the best static γ.
+  machine, which a kept pass table remembers), and prints each run against the best static γ. Each policy
+  also gets its own calls' time a step over its fresh, kept and noisy runs (warm, unlike a decode's, whose
+  calls find their data out of cache after each pass) and a digest of every step's ks: a rewrite for speed
+  alone must leave the digest as it was.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -185,13 +190,16 @@ class SlowSpell:
 
 def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens: int, name: str,
            noise: float = 0.0, seed: int = 0, losses: tuple[int, dict[str, float]] | None = None,
-           spell: SlowSpell | None = None, by_rows: dict[int, list[float]] | None = None) -> float:
+           spell: SlowSpell | None = None, by_rows: dict[int, list[float]] | None = None,
+           own: dict | None = None) -> float:
     """Goodput (tokens per table second) of ``policy`` decoding every traced request ``tokens`` tokens long,
     ``batch_size`` rows at a time, the policy seeing each cost times exp(noise · N(0, 1)), and times the
     ``spell``'s factor in its steps. With ``losses`` (γ, totals), each step's seconds beyond what its tokens
     would have cost at the rate every row drafting γ would have had at the same positions, added to totals by
     the step's longest draft (:func:`_phase`). With ``by_rows``, [steps, table seconds] added up by the rows in a
-    step: a batch draining (no request waits) runs its last steps with fewer rows."""
+    step: a batch draining (no request waits) runs its last steps with fewer rows. With ``own``, the policy's
+    own calls: their seconds (``seconds``), the steps (``steps``) and a digest of every step's ks (``choices``),
+    which two versions of a rule share exactly where they choose alike."""
     rng = random.Random(seed)
     jitter = (lambda s: s * math.exp(noise * rng.gauss(0.0, 1.0))) if noise else (lambda s: s)
     waiting = [SimpleNamespace(seq=SimpleNamespace(scratch={"proposer": name, "max_node_budget": 0}),
@@ -207,10 +215,12 @@ def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens:
         for row in live:
             row.seq.scratch["batch_size"] = B
         k_maxes = [max(0, tokens - row.done - 1) for row in live]
+        started = time.perf_counter()
         if len(trace) > 1 and hasattr(policy, "choose_batch"):
             ks = [max(0, min(int(k), m)) for k, m in zip(policy.choose_batch([r.seq for r in live], k_maxes), k_maxes)]
         else:
             ks = [m and max(0, min(int(policy.choose(r.seq, m)), m)) for r, m in zip(live, k_maxes)]
+        choosing = time.perf_counter() - started
         # (drafted, accepted) per row: what the proposer drafted asked for k there, and how much of it matched
         drafted, accepted = zip(*(row.trace[row.done][k - 1] if k else (0, 0) for k, row in zip(ks, live)))
         backlog = sum(1 for k, row in zip(ks, live) if k > 0 and not row.drafted_last)
@@ -231,11 +241,17 @@ def replay(policy, trace: list[dict], table: CostTable, batch_size: int, tokens:
                 "draft_time": seen(draft_time), "verify_time": seen(pass_time), "batch_size": B, "tree_rows": 0,
                 "padded": False}
         share = step["draft_time"] / max(1, step["asked_rows"])
+        started = time.perf_counter()
         for row, k, d, a in zip(live, ks, drafted, accepted):
             row.drafted_last = k > 0
             row.seq.scratch["batch_step"], row.seq.scratch["drafted_tree"] = step, None
             if hasattr(policy, "update"):
                 policy.update(row.seq, d, a, share if k else 0.0, step["verify_time"], B)
+        if own is not None:
+            own["seconds"] = own.get("seconds", 0.0) + choosing + time.perf_counter() - started
+            own["steps"] = own.get("steps", 0) + 1
+            own.setdefault("choices", hashlib.sha256()).update(repr(ks).encode())
+        for row, a in zip(live, accepted):
             emitted = min(a + 1, tokens - row.done)
             row.done += emitted
             emitted_all += emitted
@@ -334,15 +350,18 @@ def main() -> None:
     variants = {"cost-model": CostModelPolicy}
     variants.update({spec: load_policy(spec) for spec in args.policy})
     for label, cls in variants.items():
-        fresh = replay(cls(max_gamma=args.depth), trace, table, B, tokens, name)
+        own: dict = {}
+        fresh = replay(cls(max_gamma=args.depth), trace, table, B, tokens, name, own=own)
         kept_policy = cls(max_gamma=args.depth)
-        kept = [replay(kept_policy, trace, table, B, tokens, name) for _ in range(3)][-1]
+        kept = [replay(kept_policy, trace, table, B, tokens, name, own=own) for _ in range(3)][-1]
         totals: dict[str, float] = {}
         noisy = [replay(cls(max_gamma=args.depth), trace, table, B, tokens, name, noise, seed,
-                        (best_gamma, totals) if args.losses else None) for seed in range(args.seeds)]
+                        (best_gamma, totals) if args.losses else None, own=own) for seed in range(args.seeds)]
         print(f"{label:18s} fresh {100 * (fresh / best - 1):+5.1f}%  kept {100 * (kept / best - 1):+5.1f}%  "
               f"noisy fresh median {100 * (statistics.median(noisy) / best - 1):+5.1f}% "
               f"(spread {100 * (min(noisy) / best - 1):+.1f} to {100 * (max(noisy) / best - 1):+.1f}) against the best static γ")
+        print(f"{'':18s} own calls {1e6 * own['seconds'] / own['steps']:.0f} µs a step over {own['steps']} steps; "
+              f"choices {own['choices'].hexdigest()[:12]} (equal digests: the same ks at every step)")
         if args.losses:  # as a share of the noisy runs' table time
             seconds = sum(tokens * len(trace) / rate for rate in noisy)
             shares = [f"{phase} {100 * totals[phase] / seconds:+.1f}%"

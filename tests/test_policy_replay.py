@@ -23,8 +23,8 @@ def engine_steps(target, gamma: int, tokens: int, batch_size: int, recorder_clas
     return recorder.steps
 
 
-def replayed_steps(replay, policy, trace, saved) -> list[tuple[int, int]]:
-    """(rows, drafted tokens) of each step the replay priced."""
+def replayed_steps(replay, policy, trace, saved, own: dict | None = None) -> list[tuple[int, int]]:
+    """(rows, drafted tokens) of each step the replay priced (``own``: see :func:`replay.replay`)."""
     table, steps = replay.CostTable(saved), []
     priced = table.step
 
@@ -33,7 +33,7 @@ def replayed_steps(replay, policy, trace, saved) -> list[tuple[int, int]]:
         return priced(batch_size, drafted, backlog_rows)
 
     table.step = counting
-    goodput = replay.replay(policy, trace, table, saved["batch_size"], saved["tokens"], "ngram")
+    goodput = replay.replay(policy, trace, table, saved["batch_size"], saved["tokens"], "ngram", own=own)
     assert goodput > 0
     return steps
 
@@ -143,3 +143,27 @@ def test_a_slow_spell_makes_the_policy_see_dearer_steps_while_the_clock_stays_th
     # a spell is counted over every run it is passed to, as a kept policy lives through them
     replay.replay(Seeing(2), trace, table, 2, 24, "ngram", spell=spell)
     assert spell.steps == 2 * len(plain.seen)
+
+
+def test_the_replay_times_the_policys_own_calls_and_digests_its_choices_so_two_versions_compare_exactly(tiny_target):
+    """``own``: the seconds the policy's own calls took and a digest of every step's ks; a rule rewritten only for
+    speed must leave the digest as it was (the replay is deterministic), and a different choice changes it."""
+    replay, ab = load("policy_replay"), load("policy_ab")
+    trace = replay.record(tiny_target, "ngram", PROMPTS, 24, depth=4)
+    steps = engine_steps(tiny_target, 2, 24, 2, ab.StepRecorder)
+    saved = {"batch_size": 2, "tokens": 24, "runs": [{"variant": "γ=2", "seconds": 1.0, "tokens": 96, "steps": steps}]}
+
+    class Slow(FixedPolicy):
+        def choose_batch(self, seqs, max_ks):
+            time.sleep(0.001)
+            return [self.choose(s, m) for s, m in zip(seqs, max_ks)]
+
+    digests = []
+    for policy in (CostModelPolicy(max_gamma=4), CostModelPolicy(max_gamma=4), FixedPolicy(2), FixedPolicy(3), Slow(2)):
+        own: dict = {}
+        assert len(replayed_steps(replay, policy, trace, saved, own)) == own["steps"]
+        digests.append(own["choices"].hexdigest())
+        if isinstance(policy, Slow):
+            assert own["seconds"] >= 0.001 * own["steps"]  # its sleep is inside the calls timed
+    assert digests[0] == digests[1] and digests[2] == digests[4]  # the same choices, the same digest
+    assert len(set(digests[1:4])) == 3  # γ = 2 and γ = 3 choose otherwise, and so does the cost model here
