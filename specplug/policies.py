@@ -340,6 +340,12 @@ class MeasuredCosts:
         floor = max((t for m, b, t in points if m <= n and b <= batch_size), default=0.0)
         return max(float(coef @ np.array([1.0, n, batch_size, n * batch_size])), floor, 1e-9)
 
+    def carried_over(self, batch_size: int) -> bool:
+        """Whether drafted passes at this batch size are priced only from other batch sizes' measurements: passes
+        were measured elsewhere, none longer than one token here."""
+        return (any(b != batch_size for _, b in self.verify)
+                and not any(n > 1 and b == batch_size for n, b in self.verify))
+
     def is_fresh(self, n: int, batch_size: int, stale_after: int = REMEASURE_AFTER) -> bool:
         """Whether scoring n tokens a row at this batch size was measured within the last ``stale_after``
         steps there."""
@@ -620,6 +626,8 @@ class CostModelPolicy(GammaPolicy):
     HOPE_RISE of the flattest rise per token measured lately, it drafts that long to measure it — at most twice
     that shorter length, so a pass that proves dear costs a bounded step. It explores only while drafting: from
     off (a choice of k = 0, or a probe) such a step would make every row's drafter catch up on what it missed.
+    Nor does it switch off at a batch size whose drafted passes are priced only from other batch sizes' (rows
+    left the batch, :meth:`MeasuredCosts.carried_over`): off, it would never measure one there; it drafts.
 
     After ``probe_every`` steps at k = 0 it drafts one token once, so a proposer that starts paying again is
     noticed, and it switches back on only for a predicted gain above ``switch_on_margin`` (every drafter then
@@ -813,7 +821,10 @@ class CostModelPolicy(GammaPolicy):
         # No drafting where it is within TIE of the best: measured costs are noisy, and drafting that buys
         # nothing should not win a tie. Among drafting lengths the best predicted, with no margin (one drafts
         # too short: docs/policies.md). An extrapolated scoring cost is measured by running it.
-        if rates[0] >= (1 - TIE) * best:
+        # Not where this batch size's drafted passes are priced only from other batch sizes' (rows left a
+        # batch): switched off on such an estimate it would never measure one here; drafting measures it.
+        carried = getattr(self.costs, "carried_over", None)
+        if rates[0] >= (1 - TIE) * best and not (carried is not None and carried(batch_size)):
             return 0
         return max(range(1, len(rates)), key=lambda k: rates[k])
 

@@ -724,6 +724,26 @@ def test_a_batch_that_shrinks_keeps_drafting_without_measuring_again(tiny_target
     assert 0 not in drive_batch(policy, seqs[:13], 3, verify) + drive_batch(policy, seqs[:7], 3, verify)
 
 
+def test_a_batch_that_shrank_to_a_size_priced_only_from_others_drafts_to_measure_it_rather_than_switch_off(
+        tiny_target):
+    """Rows leaving a wave bring batch sizes never measured, priced from the sizes around them. Where those
+    estimates say drafting loses (here a slow spell measured at 16 rows) switching off would never measure a
+    drafted pass at the new size, probes aside: it drafts once to measure, and the measurement decides."""
+    verify = lambda n, b: 0.004 + 0.0004 * b + 0.0002 * n * b
+    policy = CostModelPolicy(max_gamma=4, probe_every=1000)
+    seqs = [seq_state(tiny_target) for _ in range(16)]
+    for seq in seqs:
+        policy.begin(seq)
+    assert min(drive_batch(policy, seqs, 8, verify)[3:]) > 0
+    for (n, b) in list(policy.costs.verify):  # a slow spell: every drafted pass at 16 rows measured 3x dear
+        if n > 1:
+            policy.costs.verify[n, b] = 3 * verify(n, b)
+    assert policy.costs.carried_over(12) and not policy.costs.carried_over(16)
+    chosen = drive_batch(policy, seqs[:12], 6, verify)
+    assert chosen[0] > 0  # drafts to measure a drafted pass at 12 rows (then a plain one, in this case)
+    assert min(chosen[-4:]) > 0  # measured at 12 rows, drafting pays there: it goes on
+
+
 def test_a_step_in_which_no_row_may_draft_leaves_speculation_on(tiny_target):
     """The last step of a wave (every row at its last token) is no choice of k = 0: a kept policy that was
     drafting for a 5% gain keeps drafting in the next wave, without the switch-on margin's 10%."""
