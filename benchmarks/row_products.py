@@ -20,13 +20,12 @@ import ctypes
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from specplug import bf16_products, few_rows, native, row_products
+from specplug import bf16_products, few_rows, machine, native, row_products
 
 SHAPES = {"gate_up": (3072, 512), "qkv": (1536, 512), "down": (512, 1536), "lm_head": (8192, 512)}
 Form = Callable[[torch.Tensor], torch.Tensor]
@@ -79,18 +78,6 @@ def bf16_forms(source: str | None, workdir: Path) -> Callable[[torch.Tensor], tu
     return forms
 
 
-def timed(forms: list[Form], x: torch.Tensor, repeats: int) -> list[float]:
-    """Each form's median seconds on ``x``, timed call by call in turn, the order rotated each repeat: a call
-    right after another form's (oneDNN's above all) runs slower, so a fixed order favoured the later forms."""
-    times: list[list[float]] = [[] for _ in forms]
-    for rep in range(repeats):
-        for i in [(rep + j) % len(forms) for j in range(len(forms))]:
-            start = time.perf_counter()
-            forms[i](x)
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", choices=("rows", "bf16"), default="rows")
@@ -112,8 +99,10 @@ def main() -> None:
                 x = torch.randn(rows, inp, generator=g)
                 if args.against_source and not torch.equal(forms[0](x), forms[1](x)):
                     raise SystemExit(f"{name}, {rows} rows: the other source gives other bits")
-                cells = [f"{1e6 * t:8.0f} µs {2 * rows * out * inp / t / 1e9:5.0f} GF/s"
-                         for t in timed(forms, x, args.repeats)]
+                # interleaved, the order turned each repeat (a call right after oneDNN's runs slower)
+                timed = machine.seconds({i: lambda f=f: f(x) for i, f in enumerate(forms)}, args.repeats,
+                                        statistics.median)
+                cells = [f"{1e6 * t:8.0f} µs {2 * rows * out * inp / t / 1e9:5.0f} GF/s" for t in timed.values()]
                 print(f"{name:8s} {rows:5d} " + " ".join(f"{c:>22s}" for c in cells))
 
 

@@ -158,11 +158,12 @@ def record(name: str, key: str, value: str, why: str, source: str) -> Choice:
     return choice
 
 
-def seconds(forms: dict[str, Callable[[], object]], repeats: int = 9) -> dict[str, float]:
-    """The fewest seconds each form took over ``repeats`` interleaved runs: on a busy machine others' work only
-    ever adds time, and interleaving spreads a long pause over every form alike. The order turns each repeat:
-    a call right after another form's can run slower (after oneDNN's bf16 product, ~10% at one row), and in a
-    fixed order one form would always pay that."""
+def seconds(forms: dict[str, Callable[[], object]], repeats: int = 9,
+            statistic: Callable[[list[float]], float] = min) -> dict[str, float]:
+    """The fewest seconds each form took over ``repeats`` interleaved runs (or another ``statistic`` of them): on a
+    busy machine others' work only ever adds time, and interleaving spreads a long pause over every form alike.
+    The order turns each repeat: a call right after another form's can run slower (after oneDNN's bf16 product,
+    ~10% at one row), and in a fixed order one form would always pay that."""
     times: dict[str, list[float]] = {name: [] for name in forms}
     names = list(forms)
     with torch.inference_mode():
@@ -173,7 +174,7 @@ def seconds(forms: dict[str, Callable[[], object]], repeats: int = 9) -> dict[st
                 start = time.perf_counter()
                 forms[name]()
                 times[name].append(time.perf_counter() - start)
-    return {name: min(t) for name, t in times.items()}
+    return {name: statistic(t) for name, t in times.items()}
 
 
 def faster(name: str, key: str, forms: dict[str, Callable[[], object]], default: str, nbytes: int,
