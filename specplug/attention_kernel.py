@@ -1,10 +1,12 @@
 """The lean forward's CPU attention kernel (``kernels/attend.c``): compiled on first use, cached, loaded by ctypes.
 
-Why: at batch 16 attention is half a target step, and it is bound by reading each row's float32 cache. torch's
+Why: at batch 16 attention is half a target step, and it is bound by reading each row's cache. torch's
 form makes two small products and a softmax per query, and every query of a verify pass reads its row's cache
 from memory again; the kernel runs every query head of a layer in one call on all cores, the next query of a row
 reading the row's cache from the core's cache. A query's result depends on its own inputs only (see the source),
-so a verified position still scores exactly as a one-token step does.
+so a verified position still scores exactly as a one-token step does. Keys are float32; values float32 or, where
+the value projection already rounds to bf16, bf16 (:attr:`specplug.lean_llama.LeanLayer.value_dtype`): the same
+values in half the bytes.
 
 The kernel is compiled for this CPU by :mod:`specplug.native`; without a C compiler, on
 another device or dtype, or where it is not faster (a probe, :mod:`specplug.machine`), torch's form runs, and
@@ -29,33 +31,39 @@ KERNEL, TORCH = "kernel", "torch"
 def load() -> tuple[ctypes.CDLL | None, str]:
     """The compiled kernel, or None and why it is not available."""
     i64, ptr = native.I64, native.PTR
-    return native.bind(SOURCE, {"specplug_attend": ([i64] * 4 + [ptr] * 7 + [i64], ctypes.c_int64),
-                                "specplug_append": ([i64] * 3 + [ptr] * 2 + [i64] * 2 + [ptr] * 5, None)})
+    attend = ([i64] * 4 + [ptr] * 7 + [i64], ctypes.c_int64)
+    append = ([i64] * 3 + [ptr] * 2 + [i64] * 2 + [ptr] * 5, None)
+    return native.bind(SOURCE, {"specplug_attend": attend, "specplug_attend_v16": attend,
+                                "specplug_append": append, "specplug_append_v16": append})
 
 
 class Attention:
     """The kernel for one layer shape (``heads`` query heads over ``kv_heads`` cached ones, ``head_dim`` each)."""
 
     def __init__(self, lib: ctypes.CDLL, heads: int, kv_heads: int, head_dim: int):
-        self.fn, self.heads, self.kv_heads, self.head_dim = lib.specplug_attend, heads, kv_heads, head_dim
-        self.append_fn = lib.specplug_append
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        # by the dtype of the cached values: float32, or bf16 (see LeanLayer.value_dtype)
+        self.attend_fns = {torch.float32: lib.specplug_attend, torch.bfloat16: lib.specplug_attend_v16}
+        self.append_fns = {torch.float32: lib.specplug_append, torch.bfloat16: lib.specplug_append_v16}
 
     def append(self, k: torch.Tensor, v: torch.Tensor, caches: Sequence, counts: Sequence[int]) -> None:
         """Write new keys and values k, v [N, kv_heads, d] (float32, each position's heads contiguous), ``counts[r]``
-        positions for cache r in order, into each cache after its ``length`` entries, in one call. The caches
-        (:class:`specplug.lean_llama.LayerCache`) must have room; their lengths are the caller's to advance."""
+        positions for cache r in order, into each cache after its ``length`` entries, in one call (values rounded
+        to the caches' dtype, as torch's copy rounds). The caches (:class:`specplug.lean_llama.LayerCache`, alike)
+        must have room; their lengths are the caller's to advance."""
         if k.stride()[1:] != (self.head_dim, 1) or v.stride()[1:] != (self.head_dim, 1):
             k, v = k.contiguous(), v.contiguous()
         table = torch.tensor([[c.k.data_ptr() for c in caches], [c.v.data_ptr() for c in caches],
                               [c.k.stride(0) for c in caches], [c.length for c in caches], list(counts)],
                              dtype=torch.int64)
-        self.append_fn(len(caches), self.kv_heads, self.head_dim, k.data_ptr(), v.data_ptr(), k.stride(0),
-                       v.stride(0), *_row_addresses(table))
+        self.append_fns[caches[0].v.dtype](len(caches), self.kv_heads, self.head_dim, k.data_ptr(), v.data_ptr(),
+                                           k.stride(0), v.stride(0), *_row_addresses(table))
 
     def __call__(self, q: torch.Tensor, spans: Sequence[tuple[torch.Tensor, torch.Tensor, int, int]]) -> torch.Tensor:
         """Scaled queries q [N, heads, d], float32; ``spans``: (keys, values, first, count) for consecutive runs of
-        queries, ``count`` queries over the cache tensors keys/values [kv_heads, capacity, d] (a layer cache's own),
-        the i-th seeing its first ``first + i + 1`` entries. Returns [N, heads, d]."""
+        queries, ``count`` queries over the cache tensors keys/values [kv_heads, capacity, d] (a layer cache's own;
+        keys float32, values float32 or bf16, alike in every span), the i-th seeing its first ``first + i + 1``
+        entries. Returns [N, heads, d]."""
         q = q.contiguous()
         out = torch.empty_like(q)
         # per span: keys' and values' address, kv-head stride, entries before its first query, query count
@@ -63,7 +71,8 @@ class Attention:
                               [k.stride(0) for k, _, _, _ in spans], [first for _, _, first, _ in spans],
                               [count for _, _, _, count in spans]], dtype=torch.int64)
         longest = max((first + count for _, _, first, count in spans), default=0)
-        status = self.fn(len(spans), self.heads, self.kv_heads, self.head_dim, q.data_ptr(), out.data_ptr(),
+        attend = self.attend_fns[spans[0][1].dtype] if spans else self.attend_fns[torch.float32]
+        status = attend(len(spans), self.heads, self.kv_heads, self.head_dim, q.data_ptr(), out.data_ptr(),
                          *_row_addresses(table), longest)
         if status:
             raise RuntimeError(f"attention kernel failed (status {status}) for head_dim={self.head_dim}")

@@ -92,6 +92,8 @@ class Pass:
                  counts: Sequence[int]):
         layer, h = first.layer, first.plan.h
         self.caches, self.counts, self.rows = caches, list(counts), len(counts)
+        if caches and caches[0] and caches[0][0].v.dtype != first.values:  # caches come from LeanLayer.new_cache
+            raise ValueError(f"a cache of {caches[0][0].v.dtype} values passed to C layers built for {first.values}")
         for layer_caches in caches:
             for cache, n in zip(layer_caches, counts):
                 cache.reserve(n)
@@ -121,6 +123,7 @@ class FusedLayer:
 
     def __init__(self, lib: ctypes.CDLL, layer: "LeanLayer", plan: _Layer):
         self.lib, self.layer, self.plan = lib, layer, plan
+        self.values = layer.value_dtype  # the dtype of the values its plan's kernels read and write
         self.ref = ctypes.byref(plan)
         self.in_max = max(layer.qkv.tiles.in_features, layer.o.tiles.in_features, layer.down.tiles.in_features)
         self.width = (layer.heads + 2 * layer.kv_heads) * layer.head_dim
@@ -162,8 +165,8 @@ def stack(layers: Sequence["LeanLayer"]) -> list[FusedLayer] | None:
     fused = [layer.fused for layer in layers]
     if not fused or any(f is None for f in fused):
         return None
-    shapes = {(f.plan.h, f.plan.heads, f.plan.kv_heads, f.plan.d, f.plan.inter, f.in_max, bool(f.plan.act))
-              for f in fused}
+    shapes = {(f.plan.h, f.plan.heads, f.plan.kv_heads, f.plan.d, f.plan.inter, f.in_max, bool(f.plan.act),
+               f.values) for f in fused}
     return fused if len(shapes) == 1 else None
 
 
@@ -189,10 +192,11 @@ def plan_or_reason(layer: "LeanLayer") -> tuple[_Layer | None, str]:
         products[name] = found
     norm_in, norm_post = layer.norm_in.kernel, layer.norm_post.kernel
     act = 0 if layer.act_kernel is None else _address(layer.act_kernel.fn)
+    values = layer.value_dtype  # the caches this layer makes: the kernels that read and write their values
     return _Layer(norm_in.size, layer.heads, layer.kv_heads, layer.head_dim, layer.inter, float(layer.scaling),
                   float(norm_in.eps), float(norm_post.eps), norm_in.weight.data_ptr(), norm_post.weight.data_ptr(),
-                  _address(norm_in.fn), _address(layer.kernel.append_fn), _address(layer.kernel.fn), act,
-                  **products), ""
+                  _address(norm_in.fn), _address(layer.kernel.append_fns[values]),
+                  _address(layer.kernel.attend_fns[values]), act, **products), ""
 
 
 def choose(layer: "LeanLayer") -> FusedLayer | None:

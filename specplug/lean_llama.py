@@ -33,6 +33,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 # Up to this many new positions (a step, a verify pass of k + 1) attention runs one query at a time;
 # longer runs (prefills) through torch's fused attention.
 SMALL_ATTENTION = 16
+VALUES = "value_cache"  # the machine choice naming the dtype cached values are kept in (LeanLayer.value_dtype)
 _UNDECIDED = object()  # a layer's C form before its first run (LeanLayer.fused)
 
 
@@ -67,11 +68,13 @@ class RopeTable:
 
 
 class LayerCache:
-    """Keys and values of one layer, [kv_heads, capacity, head_dim]; ``length`` entries are valid."""
+    """Keys and values of one layer, [kv_heads, capacity, head_dim]; ``length`` entries are valid. Values may be
+    kept in another dtype than keys (``value_dtype``, see :attr:`LeanLayer.value_dtype`)."""
 
-    def __init__(self, kv_heads: int, head_dim: int, device, dtype, capacity: int = 256):
+    def __init__(self, kv_heads: int, head_dim: int, device, dtype, capacity: int = 256,
+                 value_dtype: torch.dtype | None = None):
         self.k = torch.empty(kv_heads, capacity, head_dim, device=device, dtype=dtype)
-        self.v = torch.empty_like(self.k)
+        self.v = torch.empty(kv_heads, capacity, head_dim, device=device, dtype=value_dtype or dtype)
         self.length = 0
 
     def reserve(self, n: int) -> None:
@@ -202,6 +205,12 @@ class Product:
             return F.linear(x, self.one_row, self.bias)
         return few_rows.linear(x, self.weight, self.bias, self.packed)
 
+    @property
+    def rounds_to_bf16(self) -> bool:
+        """Whether every output is a bf16 value (a bf16 weight's product, on any of its forms, rounds its sums to
+        bf16 before handing them back in the input's dtype)."""
+        return self.int8 is None and self.weight is not None and self.weight.dtype == torch.bfloat16
+
     def nbytes(self) -> int:
         """Bytes of the one-row, int8 or packed copy (the weight itself belongs to the model)."""
         if self.int8 is not None:
@@ -269,6 +278,7 @@ class LeanLayer:
         self.kernel = attention_kernel.choose(self.heads, self.kv_heads, self.head_dim, w.dtype, w.device,
                                               self._attend_by_torch)
         self._fused = _UNDECIDED  # decided at the first run (see fused): the products may still be replaced
+        self._values: tuple[Product | None, torch.dtype] = (None, w.dtype)  # (for which qkv, value_dtype)
 
     @property
     def fused(self) -> "fused_layers.FusedLayer | None":
@@ -281,10 +291,39 @@ class LeanLayer:
     def products(self) -> tuple[Product, ...]:
         return self.qkv, self.gate_up, self.o, self.down
 
+    @property
+    def value_dtype(self) -> torch.dtype:
+        """The dtype this layer's caches keep values in: bf16 where the attention kernel reads them and the value
+        projection already rounds to bf16 (the same values in half the bytes, and a many-row step's attention
+        waits on reading them); else the activations' dtype. Keys stay as computed: rotary leaves them float32.
+        Listed by :func:`specplug.machine.machine_choices` (``value_cache``); ``SPECPLUG_CHOICES=value_cache=float32``
+        keeps float32 values."""
+        if self._values[0] is not self.qkv:  # decided again where the products were replaced (to_int8)
+            self._values = (self.qkv, self._decide_values())
+        return self._values[1]
+
+    def _decide_values(self) -> torch.dtype:
+        w = self.layer.input_layernorm.weight  # the activations' dtype (the norms'), which bf16 weights do not share
+        if self.kernel is None or w.dtype != torch.float32:
+            return w.dtype
+        key, pinned = f"{self.kv_heads}x{self.head_dim} {w.device.type}", machine.overrides().get(VALUES)
+        if pinned not in (None, "float32", "bf16"):
+            raise ValueError(f"{machine.OVERRIDE_ENV}: {VALUES}={pinned} is not a form (float32 or bf16)")
+        if not self.qkv.rounds_to_bf16:
+            if pinned == "bf16":
+                raise ValueError(f"{machine.OVERRIDE_ENV}: {VALUES}=bf16 is pinned, but the value projection's "
+                                 "outputs are not bf16 values (bf16 values would change the model's arithmetic)")
+            return w.dtype
+        if pinned == "float32":
+            machine.record(VALUES, key, "float32", machine.OVERRIDE_ENV, "override")
+            return w.dtype
+        machine.record(VALUES, key, "bf16", "the value projection rounds to bf16: the same values in half the bytes",
+                       "default")
+        return torch.bfloat16
+
     def new_cache(self) -> LayerCache:
-        # the activations' dtype (the norms'), which linear weights kept in bf16 do not share
         w = self.layer.input_layernorm.weight
-        return LayerCache(self.kv_heads, self.head_dim, w.device, w.dtype)
+        return LayerCache(self.kv_heads, self.head_dim, w.device, w.dtype, value_dtype=self.value_dtype)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Rotated q, k and v of rows x [N, h]: each [N, heads, head_dim] (rotary on q and k at once)."""
@@ -347,7 +386,7 @@ class LeanLayer:
         """Many queries q [T, heads, d] at positions start.. over keys/values [kv_heads, start + T, d], causally,
         in one fused call. Batched (4-D) inputs reach torch's flash kernel on the CPU, where 3-D ones fall back to
         masked matrix products at about twice the time; from an empty cache no mask is needed at all."""
-        T = q.shape[0]
+        T, values = q.shape[0], values.to(q.dtype)  # bf16 values widen exactly
         mask = None if start == 0 else (torch.arange(keys.shape[1], device=q.device)[None]
                                         <= torch.arange(start, start + T, device=q.device)[:, None])
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
@@ -377,7 +416,7 @@ class LeanLayer:
         so the view holds what a chain holding the node's path would (the overwritten entries are put back
         afterwards). More queries run through torch's fused attention, masked (4-D, as in a prefill)."""
         if fused and q.shape[0] > SMALL_ATTENTION:
-            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+            return F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values.to(q.dtype)[None],
                                                   attn_mask=visible.mask, scale=1.0,
                                                   enable_gqa=self.heads != self.kv_heads)[0].transpose(0, 1)
         lo = min(visible.runs, default=keys.shape[1])
@@ -403,6 +442,7 @@ class LeanLayer:
     def _attend_by_torch(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """torch's form of :meth:`_attend_one`: two small products and a softmax, about half the time of torch's
         fused attention on one query (CPU)."""
+        values = values.to(keys.dtype)  # bf16 values widen exactly
         grouped = q.reshape(self.kv_heads, -1, q.shape[-1])  # the heads that share a kv head, as HF pairs them
         scores = torch.bmm(grouped, keys.transpose(1, 2))
         if scores.dtype == torch.float32:

@@ -141,3 +141,74 @@ def test_a_source_the_compiler_refuses_is_not_compiled_again_but_a_timeout_is_re
         assert len(compiles) == 3
     finally:
         native.build.cache_clear()
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_values_kept_in_bf16_are_read_as_the_float32_values_they_hold(head_dim):
+    """bf16 values widen exactly: attention over a bf16 value cache has the bits of attention over the same
+    values held in float32 (every lane and, for head_dim 40, the tail past the last 16 lanes)."""
+    kernel = _kernel(4, 2, head_dim)
+    caches = [(k, v.bfloat16()) for k, v in _caches(3, 2, head_dim, capacity=200, seed=4)]
+    spans16 = [(k, v, first, count) for (k, v), first, count in zip(caches, (0, 17, 150), (3, 1, 6))]
+    spans32 = [(k, v.float(), first, count) for k, v, first, count in spans16]
+    q = torch.randn(10, 4, head_dim, generator=torch.Generator().manual_seed(5)) * head_dim ** -0.5
+    assert torch.equal(kernel(q, spans16), kernel(q, spans32))
+
+
+def test_appending_values_into_a_bf16_cache_rounds_them_as_torchs_copy_does():
+    from specplug.lean_llama import LayerCache
+    kernel = _kernel(4, 2, 64)
+    g = torch.Generator().manual_seed(6)
+    k, v = torch.randn(7, 2, 64, generator=g), torch.randn(7, 2, 64, generator=g)  # not bf16 values: they round
+    by_kernel = [LayerCache(2, 64, "cpu", torch.float32, value_dtype=torch.bfloat16) for _ in range(2)]
+    by_torch = [LayerCache(2, 64, "cpu", torch.float32, value_dtype=torch.bfloat16) for _ in range(2)]
+    for kc, tc, length in zip(by_kernel, by_torch, (3, 0)):
+        kc.length = tc.length = length
+    kernel.append(k, v, by_kernel, [4, 3])
+    by_torch[0].append(k[:4].transpose(0, 1), v[:4].transpose(0, 1))
+    by_torch[1].append(k[4:].transpose(0, 1), v[4:].transpose(0, 1))
+    for kc, tc, start, end in zip(by_kernel, by_torch, (3, 0), (7, 3)):
+        assert torch.equal(kc.k[:, start:end], tc.k[:, start:end])
+        assert torch.equal(kc.v[:, start:end], tc.v[:, start:end])
+
+
+def _scores_of_steps_passes_and_rows(target):
+    """Logits of a prefill's last position, single steps, a 6-token verify pass and three ragged rows of one pass."""
+    ids = torch.randint(0, target.vocab_size, (20,), generator=torch.Generator().manual_seed(7)).tolist()
+    state = target.prefill(ids[:8])
+    out = [target.forward(state, [t]).logits for t in ids[8:11]]
+    out.append(target.forward(state, ids[11:17], logits_to_keep=0).logits)
+    rows = target.new_rows()
+    rows.add([ids[:5], ids[:9], ids[:3]])
+    out.append(rows.score([ids[5:9], ids[9:10], ids[3:8]]).logits)
+    return out
+
+
+@pytest.mark.parametrize("matmul_dtype", ["bfloat16", None])
+def test_values_are_kept_in_bf16_only_where_that_leaves_every_logit_as_it_was(matmul_dtype, tiny_dirs, monkeypatch):
+    """A bf16 value projection hands back bf16 values, so caching them in bf16 halves what attention reads and
+    changes no bit; float32 products' values would round, so they stay float32."""
+    import specplug
+
+    if attention_kernel.load()[0] is None:
+        pytest.skip(attention_kernel.load()[1])
+    with pinned_forms(monkeypatch, "attention=kernel"):
+        target = specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype=matmul_dtype)
+        values = target.lean.layers[0].value_dtype
+        default = _scores_of_steps_passes_and_rows(target)
+    assert values == (torch.bfloat16 if matmul_dtype else torch.float32)
+    with pinned_forms(monkeypatch, "attention=kernel,value_cache=float32"):
+        target = specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype=matmul_dtype)
+        assert target.lean.layers[0].value_dtype == torch.float32
+        float32_values = _scores_of_steps_passes_and_rows(target)
+    assert all(torch.equal(a, b) for a, b in zip(default, float32_values))
+
+
+def test_bf16_values_pinned_where_they_would_round_are_refused_by_name(tiny_dirs, monkeypatch):
+    import specplug
+
+    if attention_kernel.load()[0] is None:
+        pytest.skip(attention_kernel.load()[1])
+    with pinned_forms(monkeypatch, "attention=kernel,value_cache=bf16"):
+        with pytest.raises(ValueError, match="value_cache=bf16 is pinned, but the value projection"):
+            specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype=None)

@@ -6,7 +6,10 @@
  *
  * Why this form: a query's result depends on its own q, keys and values only, never on how many queries, rows or
  * threads share the call, so a verified position scores exactly as a one-token step at that position does. The
- * sums run in a fixed order set by the key count (lanes, then a fixed tree), with no compiler reassociation. */
+ * sums run in a fixed order set by the key count (lanes, then a fixed tree), with no compiler reassociation.
+ *
+ * Values may be kept in bf16 (the _v16 entry points): where the value projection already rounds to bf16 the cache
+ * holds the very same values in half the bytes, and a step's attention waits on reading them. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,6 +21,32 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 static inline v16 load(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 static inline v16 splat(float x) { return (v16){0} + x; }
+
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef uint32_t u16x __attribute__((vector_size(64)));
+
+/* 16 lanes of a value row at V + at, float32 or bf16 (widened exactly) as ``bf16`` says. */
+static inline v16 load_value(const void *V, int64_t at, int bf16) {
+    if (!bf16) return load((const float *)V + at);
+    h16 h;
+    memcpy(&h, (const uint16_t *)V + at, sizeof h);
+    u16x u = __builtin_convertvector(h, u16x) << 16;
+    v16 v; memcpy(&v, &u, sizeof v);
+    return v;
+}
+
+static inline float value_at(const void *V, int64_t at, int bf16) {
+    if (!bf16) return ((const float *)V)[at];
+    uint32_t u = (uint32_t)((const uint16_t *)V)[at] << 16;
+    float x; memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+/* float32 -> bf16 bits, rounded to nearest even (torch's rounding, as product.c rounds). */
+static inline uint16_t bf16_bits(float x) {
+    uint32_t u; memcpy(&u, &x, sizeof u);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
 
 static inline v16 vmax(v16 a, v16 b) {
     i16 m = a > b, ai, bi, r;
@@ -103,8 +132,9 @@ static inline __attribute__((always_inline)) void score_block(const float *q, co
  * sees the first len[i] keys. Every sum of a query runs in an order set by its own length alone. e: scratch of at
  * least GROUP * (maxlen + 16) floats. */
 static inline __attribute__((always_inline)) void attend_queries(const float *q, int64_t qs, const float *K,
-                                                                 const float *V, const int64_t *len, int64_t n,
-                                                                 int64_t d, float *out, float *e, int64_t es) {
+                                                                 const void *V, int bf16, const int64_t *len,
+                                                                 int64_t n, int64_t d, float *out, float *e,
+                                                                 int64_t es) {
     int64_t chunks = d / 16, rest = d % 16, tail = 16 * chunks, most = 0;
     for (int64_t i = 0; i < n; i++) most = len[i] > most ? len[i] : most;
     for (int64_t j0 = 0; j0 < most; j0 += 16) /* a block of keys serves every query that sees it */
@@ -133,11 +163,10 @@ static inline __attribute__((always_inline)) void attend_queries(const float *q,
             v16 acc[8];
             for (int64_t c = 0; c < chunks; c++) acc[c] = o[i][c];
             for (int64_t j = j0; j < end; j++) {
-                const float *v = V + j * d;
                 float w = e[i * es + j];
                 v16 p = splat(w);
-                for (int64_t c = 0; c < chunks; c++) acc[c] += p * load(v + 16 * c);
-                for (int64_t c = 0; c < rest; c++) o_rest[i][c] += w * v[tail + c];
+                for (int64_t c = 0; c < chunks; c++) acc[c] += p * load_value(V, j * d + 16 * c, bf16);
+                for (int64_t c = 0; c < rest; c++) o_rest[i][c] += w * value_at(V, j * d + tail + c, bf16);
             }
             for (int64_t c = 0; c < chunks; c++) o[i][c] = acc[c];
         }
@@ -150,11 +179,13 @@ static inline __attribute__((always_inline)) void attend_queries(const float *q,
 
 /* Spans s = 0..S-1 of consecutive queries (q, out: [N, H, d], q scaled): span s holds count[s] queries, the i-th
  * seeing keys 0..first[s] + i of its cache, whose kv head g starts at kbase[s] + g * stride[s] floats (values at
- * vbase[s] likewise); head h reads kv head h / (H / G). Returns 0, or -1 for shapes it does not take (d > 128),
- * -2 when scratch could not be allocated. */
-int64_t specplug_attend(int64_t S, int64_t H, int64_t G, int64_t d, const float *q, float *out,
-                        const int64_t *kbase, const int64_t *vbase, const int64_t *stride, const int64_t *first,
-                        const int64_t *count, int64_t maxlen) {
+ * vbase[s] likewise, float32 or bf16 as ``bf16`` says); head h reads kv head h / (H / G). Returns 0, or -1 for
+ * shapes it does not take (d > 128), -2 when scratch could not be allocated. */
+static inline __attribute__((always_inline)) int64_t attend(int64_t S, int64_t H, int64_t G, int64_t d,
+                                                            const float *q, float *out, const int64_t *kbase,
+                                                            const int64_t *vbase, const int64_t *stride,
+                                                            const int64_t *first, const int64_t *count,
+                                                            int64_t maxlen, int bf16) {
     if (d <= 0 || d > 128 || G <= 0 || H % G) return -1;
     int64_t group = H / G, es = maxlen + 16, tasks = 0;
     for (int64_t s = 0; s < S; s++) tasks += (count[s] + GROUP - 1) / GROUP;
@@ -177,13 +208,15 @@ int64_t specplug_attend(int64_t S, int64_t H, int64_t G, int64_t d, const float 
             const int64_t *job = task + 3 * (t / H);
             int64_t s = job[0], h = t % H, g = h / group, len[GROUP], n = 0;
             for (int64_t i = job[1]; n < GROUP && i < count[s]; i++) len[n++] = first[s] + i + 1;
-            const float *K = (const float *)kbase[s] + g * stride[s], *V = (const float *)vbase[s] + g * stride[s];
+            const float *K = (const float *)kbase[s] + g * stride[s];
+            const void *V = bf16 ? (const void *)((const uint16_t *)vbase[s] + g * stride[s])
+                                 : (const void *)((const float *)vbase[s] + g * stride[s]);
             const float *qt = q + (job[2] * H + h) * d;
             float *ot = out + (job[2] * H + h) * d;
             if (!e) continue;
-            if (d == 64) attend_queries(qt, H * d, K, V, len, n, 64, ot, e, es); /* constant sizes unroll */
-            else if (d == 128) attend_queries(qt, H * d, K, V, len, n, 128, ot, e, es);
-            else attend_queries(qt, H * d, K, V, len, n, d, ot, e, es);
+            if (d == 64) attend_queries(qt, H * d, K, V, bf16, len, n, 64, ot, e, es); /* constant sizes unroll */
+            else if (d == 128) attend_queries(qt, H * d, K, V, bf16, len, n, 128, ot, e, es);
+            else attend_queries(qt, H * d, K, V, bf16, len, n, d, ot, e, es);
         }
         free(e);
     }
@@ -191,18 +224,47 @@ int64_t specplug_attend(int64_t S, int64_t H, int64_t G, int64_t d, const float 
     return failed ? -2 : 0;
 }
 
+int64_t specplug_attend(int64_t S, int64_t H, int64_t G, int64_t d, const float *q, float *out,
+                        const int64_t *kbase, const int64_t *vbase, const int64_t *stride, const int64_t *first,
+                        const int64_t *count, int64_t maxlen) {
+    return attend(S, H, G, d, q, out, kbase, vbase, stride, first, count, maxlen, 0);
+}
+
+/* specplug_attend over bf16 values (keys float32; strides in entries, as there). */
+int64_t specplug_attend_v16(int64_t S, int64_t H, int64_t G, int64_t d, const float *q, float *out,
+                            const int64_t *kbase, const int64_t *vbase, const int64_t *stride, const int64_t *first,
+                            const int64_t *count, int64_t maxlen) {
+    return attend(S, H, G, d, q, out, kbase, vbase, stride, first, count, maxlen, 1);
+}
+
 /* Rows r = 0..R-1 in order, each with count[r] new positions: row r's come next in k and v ([N, G, d], positions
  * ks and vs floats apart, heads d apart) and go into its cache from position start[r] on, kv head g at
- * kbase[r] + g * stride[r] (vbase likewise), positions d apart. One call in place of two copies per row. */
-void specplug_append(int64_t R, int64_t G, int64_t d, const float *k, const float *v, int64_t ks, int64_t vs,
-                     const int64_t *kbase, const int64_t *vbase, const int64_t *stride, const int64_t *start,
-                     const int64_t *count) {
+ * kbase[r] + g * stride[r] (vbase likewise), positions d apart; values stored in bf16 where ``bf16`` says, each
+ * rounded to nearest even as torch's copy into a bf16 cache rounds. One call in place of two copies per row. */
+static inline __attribute__((always_inline)) void append(int64_t R, int64_t G, int64_t d, const float *k,
+                                                         const float *v, int64_t ks, int64_t vs, const int64_t *kbase,
+                                                         const int64_t *vbase, const int64_t *stride,
+                                                         const int64_t *start, const int64_t *count, int bf16) {
     int64_t at = 0;
     for (int64_t r = 0; r < R; r++)
         for (int64_t i = 0; i < count[r]; i++, at++)
             for (int64_t g = 0; g < G; g++) {
                 int64_t to = g * stride[r] + (start[r] + i) * d;
+                const float *from = v + at * vs + g * d;
                 memcpy((float *)kbase[r] + to, k + at * ks + g * d, sizeof(float) * (size_t)d);
-                memcpy((float *)vbase[r] + to, v + at * vs + g * d, sizeof(float) * (size_t)d);
+                if (!bf16) memcpy((float *)vbase[r] + to, from, sizeof(float) * (size_t)d);
+                else for (int64_t j = 0; j < d; j++) ((uint16_t *)vbase[r] + to)[j] = bf16_bits(from[j]);
             }
+}
+
+void specplug_append(int64_t R, int64_t G, int64_t d, const float *k, const float *v, int64_t ks, int64_t vs,
+                     const int64_t *kbase, const int64_t *vbase, const int64_t *stride, const int64_t *start,
+                     const int64_t *count) {
+    append(R, G, d, k, v, ks, vs, kbase, vbase, stride, start, count, 0);
+}
+
+void specplug_append_v16(int64_t R, int64_t G, int64_t d, const float *k, const float *v, int64_t ks, int64_t vs,
+                         const int64_t *kbase, const int64_t *vbase, const int64_t *stride, const int64_t *start,
+                         const int64_t *count) {
+    append(R, G, d, k, v, ks, vs, kbase, vbase, stride, start, count, 1);
 }
