@@ -22,10 +22,12 @@ def _prefilled(target, prompts):
     return rows
 
 
+@pytest.mark.parametrize("matmul_dtype", [None, "bfloat16"], ids=["float32-values", "bf16-values"])
 @pytest.mark.parametrize("counts", [(1,), (9,), (1, 1, 1, 1), (3, 1, 16, 2)], ids=["step", "pass", "batch", "ragged"])
-def test_c_layer_rows_are_the_torch_forms_bits(counts, tiny_dirs):
-    """Every output row and every appended key and value, over caches of a real prefill."""
-    target = specplug.Target.from_pretrained(tiny_dirs["target"])
+def test_c_layer_rows_are_the_torch_forms_bits(counts, matmul_dtype, tiny_dirs):
+    """Every output row and every appended key and value, over caches of a real prefill (bf16 products: values
+    cached in bf16)."""
+    target = specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype=matmul_dtype)
     layer = _fused_layer(target)
     prompts = ["def add(a, b):\n    return a + b\n" * (1 + i) for i in range(len(counts))]
     forms = {}
@@ -40,6 +42,18 @@ def test_c_layer_rows_are_the_torch_forms_bits(counts, tiny_dirs):
             out = rows_of(x, cos, sin, caches, list(counts))
         forms[name] = [out] + [t[:, s:c.length] for c, s in zip(caches, starts) for t in (c.k, c.v)]
     assert all(torch.equal(a, b) for a, b in zip(forms["C"], forms["torch"]))
+
+
+def test_c_layers_refuse_caches_holding_values_of_another_dtype(tiny_dirs):
+    target = specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype="bfloat16")
+    layer = _fused_layer(target)
+    assert layer.value_dtype == torch.bfloat16
+    cache = target.lean.new_cache().layers[0]
+    cache.v = cache.v.float()  # as a cache made for another layer would hold them
+    x = torch.randn(1, layer.norm_in.shape[0])
+    cos, sin = target.lean._rope_at([0], 1)
+    with pytest.raises(ValueError, match="a cache of torch.float32 values passed to C layers built for torch.bfloat16"):
+        layer.rows(x, cos, sin, [cache], [1])
 
 
 @pytest.mark.parametrize("target_name", ["tiny", "zoo:pycode"])
