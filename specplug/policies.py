@@ -1080,26 +1080,7 @@ class CostModelPolicy(GammaPolicy):
         shape = seq.scratch.get("drafted_tree")  # (nodes, depth) of a tree step, None for a chain
         if step:  # in a batch: the step's costs once (every row reports the same step)
             if step is not self._last_step:
-                self._last_step = step
-                # drafting is a clean measurement only if no row's drafter had a backlog to catch up on (a row
-                # that joined brings its whole prompt)
-                clean = step["backlog_rows"] == 0 if "backlog_rows" in step else self._last_rows >= step["draft_rows"]
-                clean = clean and not step.get("tree_rows")  # a tree's drafting is no point on the chain's line
-                # drafting is priced by the rows asked: each ran its drafter, also one that found nothing to draft
-                asked = step.get("asked_rows", step["draft_rows"])
-                if self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
-                                      step["scored"], clean, asked, step.get("tokens")):
-                    self._reuse_left = 0
-                self._last_rows = step["draft_rows"]
-                if step.get("backlog_rows"):
-                    self._catch_up = step["draft_time"] / step["backlog_rows"]
-                self._padded = step.get("padded", False)
-                self._empty_row = None
-                if self._probing and step["drafted"] == 0:  # probe again next step, in another row
-                    self._batch_wait = max(self.probe_every, self._batch_wait // 2)
-                    self._batch_idle, self._empty_row, self._probe_row = self._batch_wait, self._probe_row, None
-                elif self._probe_all:
-                    self._probe_step, self._probe_accepted = step, 0
+                self._observe_batch_step(step)
             if step is self._probe_step:
                 self._probe_accepted += accepted
         else:
@@ -1127,6 +1108,33 @@ class CostModelPolicy(GammaPolicy):
             return
         if seq.scratch.get("max_node_budget"):
             self.budgets.observe(seq, 0, accepted, proposed, proposed, draft_time)
+        self._count_acceptance(seq, state, accepted, proposed)
+
+    def _observe_batch_step(self, step: dict) -> None:
+        """A batched step's costs and probing outcome, taken once from the first of its rows to report."""
+        self._last_step = step
+        # drafting is a clean measurement only if no row's drafter had a backlog to catch up on (a row that
+        # joined brings its whole prompt)
+        clean = step["backlog_rows"] == 0 if "backlog_rows" in step else self._last_rows >= step["draft_rows"]
+        clean = clean and not step.get("tree_rows")  # a tree's drafting is no point on the chain's line
+        # drafting is priced by the rows asked: each ran its drafter, also one that found nothing to draft
+        asked = step.get("asked_rows", step["draft_rows"])
+        if self.costs.observe(step["drafted"], step["draft_time"], step["verify_time"], step["batch_size"],
+                              step["scored"], clean, asked, step.get("tokens")):
+            self._reuse_left = 0
+        self._last_rows = step["draft_rows"]
+        if step.get("backlog_rows"):
+            self._catch_up = step["draft_time"] / step["backlog_rows"]
+        self._padded = step.get("padded", False)
+        self._empty_row = None
+        if self._probing and step["drafted"] == 0:  # probe again next step, in another row
+            self._batch_wait = max(self.probe_every, self._batch_wait // 2)
+            self._batch_idle, self._empty_row, self._probe_row = self._batch_wait, self._probe_row, None
+        elif self._probe_all:
+            self._probe_step, self._probe_accepted = step, 0
+
+    def _count_acceptance(self, seq, state: dict, accepted: int, proposed: int) -> None:
+        """A chain step's acceptance into the request's rates and its proposer's running rates."""
         trials = accepted + (accepted < proposed)
         state["successes"] = self.decay * state["successes"] + accepted
         state["trials"] = self.decay * state["trials"] + trials
@@ -1145,7 +1153,6 @@ class CostModelPolicy(GammaPolicy):
         _count_rates(sums["first"], sums["then"], accepted, proposed, PROPOSER_DECAY)
         self.alpha_by_proposer[proposer] = sums["all"][0] / sums["all"][1]
         self.acceptance_by_proposer[proposer] = Acceptance(*(sums[p][0] / sums[p][1] for p in ("first", "then")))
-
 
 @hookimpl
 def register_policies(register):
