@@ -196,13 +196,23 @@ def figures(report: dict) -> dict[str, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = report["cells"]
-    series: dict[tuple, list] = {}
-    for c in cells:
-        series.setdefault((c["proposer"], c["workload"], c["temperature"]), []).append(c)
     out = {}
+    for name in PLOTS:
+        figsize, draw = _PLOTTERS[name]
+        fig, ax = plt.subplots(figsize=figsize)
+        draw(ax, report)
+        out[name] = _png(fig)
+    return out
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+def _by_cell(c: dict) -> tuple:
+    return c["proposer"], c["temperature"], c["gamma"]
+
+
+def _plot_speedup_vs_gamma(ax, report: dict) -> None:
+    series: dict[tuple, list] = {}
+    for c in report["cells"]:
+        series.setdefault((c["proposer"], c["workload"], c["temperature"]), []).append(c)
     for (prop, wl, t), cs in sorted(series.items()):
         cs = sorted(cs, key=lambda c: c["gamma"])
         ys = [c["speedup"] or 0 for c in cs]
@@ -214,38 +224,34 @@ def figures(report: dict) -> dict[str, str]:
     ax.set(xlabel="γ (draft tokens per step)", ylabel="speed-up over target-only (median, 95% interval)",
            title="Speed-up vs γ")
     ax.legend(fontsize=7)
-    out["speedup_vs_gamma"] = _png(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for c in sorted(cells, key=lambda c: (c["proposer"], c["temperature"], c["gamma"])):
-        if c["gamma"] == max(x["gamma"] for x in cells) and c["per_position_acceptance"]:
+
+def _plot_per_position_acceptance(ax, report: dict) -> None:
+    cells = report["cells"]
+    deepest = max((c["gamma"] for c in cells), default=None)
+    for c in sorted(cells, key=_by_cell):
+        if c["gamma"] == deepest and c["per_position_acceptance"]:
             ax.plot(range(1, len(c["per_position_acceptance"]) + 1), c["per_position_acceptance"], marker="o",
                     label=f"{c['proposer']} · {c['workload']} · T={c['temperature']:g} · γ={c['gamma']}")
     ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.05), title="Per-position acceptance")
     ax.legend(fontsize=7)
-    out["per_position_acceptance"] = _png(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels, p50, p99 = [], [], []
-    for b in report["baseline"]:
-        labels.append(f"target-only · T={b['temperature']:g}")
-        p50.append(b["token_latency_p50_s"] * 1e3)
-        p99.append(b["token_latency_p99_s"] * 1e3)
-    for c in sorted(cells, key=lambda c: (c["proposer"], c["temperature"], c["gamma"])):
-        labels.append(f"{c['proposer']} · T={c['temperature']:g} · γ={c['gamma']}")
-        p50.append(c["token_latency_p50_s"] * 1e3)
-        p99.append(c["token_latency_p99_s"] * 1e3)
-    y = range(len(labels))
-    ax.barh([i + 0.2 for i in y], p99, height=0.4, label="p99")
-    ax.barh([i - 0.2 for i in y], p50, height=0.4, label="p50")
-    ax.set_yticks(list(y), labels, fontsize=6)
+
+def _plot_latency_distribution(ax, report: dict) -> None:
+    runs = [(f"target-only · T={b['temperature']:g}", b) for b in report["baseline"]]
+    runs += [(f"{c['proposer']} · T={c['temperature']:g} · γ={c['gamma']}", c)
+             for c in sorted(report["cells"], key=_by_cell)]
+    y = range(len(runs))
+    ax.barh([i + 0.2 for i in y], [r["token_latency_p99_s"] * 1e3 for _, r in runs], height=0.4, label="p99")
+    ax.barh([i - 0.2 for i in y], [r["token_latency_p50_s"] * 1e3 for _, r in runs], height=0.4, label="p50")
+    ax.set_yticks(list(y), [label for label, _ in runs], fontsize=6)
     ax.set(xlabel="per-token latency (ms)", title="Latency distribution")
     ax.legend()
-    out["latency_distribution"] = _png(fig)
 
-    fig, ax = plt.subplots(figsize=(5, 5))
+
+def _plot_measured_vs_predicted(ax, report: dict) -> None:
     pts = [(c["predicted_speedup"], c["predicted_speedup_with_verify_cost"], c["speedup"], c["proposer"])
-           for c in cells if c["predicted_speedup"] is not None and c["speedup"] is not None]
+           for c in report["cells"] if c["predicted_speedup"] is not None and c["speedup"] is not None]
     for i, prop in enumerate(sorted({p for *_, p in pts})):
         mine = [pt for pt in pts if pt[3] == prop]
         color = f"C{i % 10}"
@@ -256,23 +262,28 @@ def figures(report: dict) -> dict[str, str]:
     hi = max([1.0] + [max(x, y) for x, _, y, _ in pts]) * 1.1
     ax.plot([0, hi], [0, hi], color="grey", lw=0.8, ls="--")
     ax.set(xlabel="predicted (Leviathan, measured α and c; v = verify cost)", ylabel="measured speed-up",
-           xlim=(0, hi), ylim=(0, hi),
-           title="Measured vs predicted speed-up")
+           xlim=(0, hi), ylim=(0, hi), title="Measured vs predicted speed-up")
     ax.legend(fontsize=7)
-    out["measured_vs_predicted"] = _png(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+
+def _plot_verify_cost_vs_nodes(ax, report: dict) -> None:
     for i, kind in enumerate(("chain", "tree")):
-        pts = [(c["nodes_scored_per_step"], c["verify_cost"]) for c in cells
+        pts = [(c["nodes_scored_per_step"], c["verify_cost"]) for c in report["cells"]
                if bool(c.get("tree")) == (kind == "tree") and c.get("nodes_scored_per_step") and c["verify_cost"]]
         ax.scatter([x for x, _ in pts], [y for _, y in pts], color=f"C{i}", label=f"{kind} cells")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="positions scored per target call (nodes + 1)", ylabel="v: a call's cost in target-only steps",
            title="Scoring cost by positions scored")
     ax.legend(fontsize=7)
-    out["verify_cost_vs_nodes"] = _png(fig)
-    return out
 
+
+_PLOTTERS = {  # name: (figure size, what draws it)
+    "speedup_vs_gamma": ((7, 4), _plot_speedup_vs_gamma),
+    "per_position_acceptance": ((7, 4), _plot_per_position_acceptance),
+    "latency_distribution": ((7, 4), _plot_latency_distribution),
+    "measured_vs_predicted": ((5, 5), _plot_measured_vs_predicted),
+    "verify_cost_vs_nodes": ((6, 4), _plot_verify_cost_vs_nodes),
+}
 
 def _summary_html(report: dict) -> str:
     rows = "".join(
