@@ -222,9 +222,9 @@ def _paired(runs: list[dict], others: list[dict]) -> float | None:
 
 
 def render(report: dict, console=None) -> None:
-    """Two rich tables: goodput (× target-only) and p50/p99 per-token latency, variants × batch sizes."""
+    """Rich tables: goodput (× target-only), the policies paired against static γ, p50/p99 per-token latency and
+    acceptance, variants × batch sizes; then the target's forward and the machine's choices."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
     sizes = report["settings"]["batch_sizes"]
@@ -234,23 +234,7 @@ def render(report: dict, console=None) -> None:
     title = (f"goodput, tokens/s over all rows (× target-only) — {report['target']['name']}, {s['requests']} "
              f"requests × {s['max_new_tokens']} tokens, at most B at once, T={s['temperature']}, "
              f"median of {s['repeats']}")
-    table = Table(title=title)
-    table.add_column("variant")
-    for B in sizes:
-        table.add_column(f"B={B}", justify="right")
-    for label in labels:
-        cells = []
-        for B in sizes:
-            c = by[(label, B)]
-            text = f"{c['goodput_tokens_per_s']:.1f}"
-            if c["speedup_vs_target_only"] is not None and label != "target-only":
-                text += f" ({c['speedup_vs_target_only']:.2f}×)"
-            if c.get("greedy_equal_to_target_only") is False:
-                text += " ≠"
-            if report["best"][str(B)]["variant"] == label:
-                text = f"[bold]{text}[/bold]"
-            cells.append(text)
-        table.add_row(label, *cells)
+    table = _grid(title, sizes, [(label, [_fmt_goodput(report, by[(label, B)]) for B in sizes]) for label in labels])
     if any(c.get("greedy_equal_to_target_only") is False for c in report["cells"]):
         table.caption = "≠: greedy tokens differ from target-only's in some row"
     console.print(table)
@@ -262,31 +246,41 @@ def render(report: dict, console=None) -> None:
         console.print(line, highlight=False, markup=False)
     policies = [label for label in labels if by[(label, sizes[0])]["policy"] is not None]
     if policies:
-        paired = Table(title="policies against their proposer's best static γ at each B (γ = 0: target-only) / "
-                             "against target-only, paired: median over repeats of the ratio within a repeat")
-        paired.add_column("variant")
-        for B in sizes:
-            paired.add_column(f"B={B}", justify="right")
-        for label in policies:
-            paired.add_row(label, *[_fmt_paired(by[(label, B)]) for B in sizes])
-        console.print(paired)
-    lat = Table(title="per-token latency p50 / p99 (ms)")
-    lat.add_column("variant")
-    for B in sizes:
-        lat.add_column(f"B={B}", justify="right")
-    for label in labels:
-        lat.add_row(label, *[f"{1e3 * by[(label, B)]['token_latency_p50_s']:.1f} / "
-                             f"{1e3 * by[(label, B)]['token_latency_p99_s']:.1f}" for B in sizes])
-    console.print(lat)
-    acc = Table(title="acceptance rate α / mean γ drafted per step")
-    acc.add_column("variant")
-    for B in sizes:
-        acc.add_column(f"B={B}", justify="right")
-    for label in labels[1:]:
-        acc.add_row(label, *[_fmt_alpha(by[(label, B)]) for B in sizes])
+        console.print(_grid("policies against their proposer's best static γ at each B (γ = 0: target-only) / "
+                            "against target-only, paired: median over repeats of the ratio within a repeat", sizes,
+                            [(label, [_fmt_paired(by[(label, B)]) for B in sizes]) for label in policies]))
+    console.print(_grid("per-token latency p50 / p99 (ms)", sizes,
+                        [(label, [_fmt_latency(by[(label, B)]) for B in sizes]) for label in labels]))
     if labels[1:]:
-        console.print(acc)
+        console.print(_grid("acceptance rate α / mean γ drafted per step", sizes,
+                            [(label, [_fmt_alpha(by[(label, B)]) for B in sizes]) for label in labels[1:]]))
 
+
+def _grid(title: str, sizes: list[int], rows: list[tuple[str, list[str]]]):
+    """A rich table of variants (rows) by batch sizes (columns)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("variant")
+    for B in sizes:
+        table.add_column(f"B={B}", justify="right")
+    for label, cells in rows:
+        table.add_row(label, *cells)
+    return table
+
+
+def _fmt_goodput(report: dict, c: dict) -> str:
+    """Goodput, its ratio to target-only, ≠ where greedy rows parted from target-only's, bold for the best at B."""
+    text = f"{c['goodput_tokens_per_s']:.1f}"
+    if c["speedup_vs_target_only"] is not None and c["variant"] != "target-only":
+        text += f" ({c['speedup_vs_target_only']:.2f}×)"
+    if c.get("greedy_equal_to_target_only") is False:
+        text += " ≠"
+    return f"[bold]{text}[/bold]" if report["best"][str(c["batch_size"])]["variant"] == c["variant"] else text
+
+
+def _fmt_latency(c: dict) -> str:
+    return f"{1e3 * c['token_latency_p50_s']:.1f} / {1e3 * c['token_latency_p99_s']:.1f}"
 
 def _fmt_paired(c) -> str:
     pct = lambda r: "–" if r is None else f"{100 * (r - 1):+.1f}%"  # noqa: E731
