@@ -1,7 +1,7 @@
 """What a verify pass costs against a plain step, at a batch size: the number speculation has to beat.
 
     python benchmarks/pass_cost.py [--target zoo:pycode] [--batch-size 16] [--tokens 1,2,3,5,7] [--repeats 9]
-                                   [--probe-rows 64]
+                                   [--probe-rows 64] [--products]
 
 Each of ``--batch-size`` rows holds one held-out HumanEval prompt in the target's lean cache; a pass feeds
 every row n tokens (a γ = n − 1 verify pass; n = 1 is a plain step) through ``LeanLlama.run_rows``, and each
@@ -9,13 +9,16 @@ row's cache is cut back afterwards. Prints the median time per pass and its rati
 interleaved per repeat. With τ tokens emitted per pass, speculation at this batch size can reach at most
 τ / ratio(γ + 1) (drafting free, prefill left out). ``--probe-rows N`` checks products for row-invariance only up
 to N rows (``few_rows.PROBE_ROWS``), so longer ones run in pieces of N, each reading the weight again: the
-products as a shallower probe left them (64 before session 30).
+products as a shallower probe left them (64 before session 30). ``--products`` also times the pass's rows through
+every product of the target alone (each layer's four and the LM head, on random rows, after the passes): what a position beyond the first costs in products and in the rest (attention, norms, the loop).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+
+import torch
 
 import specplug
 from specplug import few_rows
@@ -29,6 +32,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,2,3,5,7", help="tokens per row in a pass (1: a plain step)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--probe-rows", type=int, default=None, help="check row-invariance up to this many rows")
+    parser.add_argument("--products", action="store_true", help="also time the rows through the products alone")
     args = parser.parse_args()
     if args.probe_rows is not None:
         few_rows.PROBE_ROWS = args.probe_rows  # read when the Target's products are first probed, below
@@ -54,17 +58,51 @@ def main() -> None:
 
     for n in counts:  # warm up every shape once
         one_pass(n)
-    times: dict[int, list[float]] = {n: [] for n in counts}
-    for rep in range(args.repeats):
-        for n in counts[rep % len(counts):] + counts[: rep % len(counts)]:
-            times[n].append(one_pass(n))
+    times = _interleaved(one_pass, counts, args.repeats)
+    # afterwards, not between the passes: its inputs and weights would leave the caches colder for the next pass
+    products_only = products_timer(lean, len(caches), counts) if args.products else None
+    alone = _interleaved(products_only, counts, args.repeats) if products_only else {}
     plain = statistics.median(times[1]) if 1 in times else None
     print(f"{args.target}, {args.batch_size} rows, prompts of {min(lengths)}-{max(lengths)} tokens, "
           f"median of {args.repeats}; {product_form(lean)}:")
     for n in counts:
         t = statistics.median(times[n])
         ratio = f"  {t / plain:.2f}× a plain step" if plain else ""
-        print(f"  {n} token(s) a row: {1e3 * t:7.2f} ms{ratio}")
+        split = f"; products alone {1e3 * statistics.median(alone[n]):.2f} ms" if products_only else ""
+        print(f"  {n} token(s) a row: {1e3 * t:7.2f} ms{ratio}{split}")
+    if products_only and len(counts) > 1:
+        first, last = counts[0], counts[-1]
+        extra = (last - first) * len(caches)
+        per = (statistics.median(times[last]) - statistics.median(times[first])) / extra
+        prod = (statistics.median(alone[last]) - statistics.median(alone[first])) / extra
+        print(f"  a position beyond {first} a row: {1e6 * per:.0f} µs, of which products {1e6 * prod:.0f} µs, "
+              f"the rest {1e6 * (per - prod):.0f} µs")
+
+
+def _interleaved(timed, counts: list[int], repeats: int) -> dict[int, list[float]]:
+    """``repeats`` timings of ``timed(n)`` for each n, the order of the ns rotated each repeat."""
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    for rep in range(repeats):
+        for n in counts[rep % len(counts):] + counts[: rep % len(counts)]:
+            times[n].append(timed(n))
+    return times
+
+
+def products_timer(lean, rows: int, counts: list[int]):
+    """Seconds for ``rows`` × n random rows through every product of the target (each layer's four, the LM head)."""
+    hidden = lean.layers[0].norm_in.shape[0]
+    products = [(p, width) for layer in lean.layers
+                for p, width in zip(layer.products(), (hidden, hidden, layer.heads * layer.head_dim, layer.inter))]
+    products.append((lean.head, hidden))
+    g = torch.Generator().manual_seed(0)
+    inputs = {n: {w: torch.randn(rows * n, w, generator=g) for w in {w for _, w in products}} for n in counts}
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        for product, width in products:
+            product(inputs[n][width])
+        return time.perf_counter() - t0
+    return timed
 
 
 def product_form(lean) -> str:
