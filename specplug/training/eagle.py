@@ -19,9 +19,8 @@ import hashlib
 import json
 import math
 import os
-import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -138,87 +137,52 @@ def window_batch(n_windows: int, step: int, seed: int, batch_size: int) -> torch
 @keeps_caller_threads
 def train_head(args: HeadTrainArgs, kind: str, module: torch.nn.Module, loss_fn: Callable, target, data,
                log=print) -> dict:
-    """The resumable loop: ``loss_fn(module, tokens, features) -> (loss, {name: float})`` per batch."""
+    """The resumable loop: ``loss_fn(module, tokens, features) -> (loss, {name: float})`` per batch; the language
+    model trainer's checkpoints, log, optimizer and signal handling (:mod:`specplug.training.trainer`)."""
     from safetensors.torch import load_model
-    from tqdm import tqdm
 
-    from .trainer import TrainArgs, _save_ckpt, _ThreadGovernor, lr_at
+    from .trainer import (TrainArgs, _Clock, _descend, _optimizer, _Progress, _save_ckpt, _stop_on_signals,
+                          _ThreadGovernor, lr_at)
 
     gov = _ThreadGovernor(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     sched = TrainArgs(work_dir=str(work), tokenizer_dir="", steps=args.steps, lr=args.lr,
                       min_lr_ratio=args.min_lr_ratio, warmup=args.warmup)
-    state = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
-    params = [p for p in module.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    if (work / "ckpt" / "state.json").exists():
-        state = json.loads((work / "ckpt" / "state.json").read_text())
+    resumed = (work / "ckpt" / "state.json").exists()
+    clock = _Clock(json.loads((work / "ckpt" / "state.json").read_text()) if resumed
+                   else {"step": 0, "tokens": 0, "elapsed_s": 0.0})
+    if resumed:
         load_model(module, str(work / "ckpt" / "model.safetensors"))
-        opt.load_state_dict(torch.load(work / "ckpt" / "optim.pt", weights_only=True))
-        log(f"{kind}: resumed at step {state['step']}")
+        log(f"{kind}: resumed at step {clock.step}")
+    opt = _optimizer(module, args, work if resumed else None)
     module.train()
-    stop = {"flag": False}
-
-    def _handler(signum, frame):
-        stop["flag"] = True
-
-    old = {s: signal.signal(s, _handler) for s in (signal.SIGTERM, signal.SIGINT)}
-    logf = open(work / "log.tsv", "a")
-    if os.path.getsize(work / "log.tsv") == 0:
-        logf.write("step\tloss\tparts\tlr\ttok_per_s\telapsed_s\tthreads\n")
-    step, seen, elapsed0, t_start = state["step"], state["tokens"], state["elapsed_s"], time.time()
     n_windows = data["tokens"].shape[0]
-
-    def snapshot():
-        return {"step": step, "tokens": seen, "elapsed_s": elapsed0 + time.time() - t_start, "args": asdict(args)}
-
-    bar = tqdm(total=args.steps, initial=step, desc=kind, dynamic_ncols=True, mininterval=5)
+    progress = _Progress(work, args.steps, clock.step, desc=kind, parts=True)
     try:
-        while step < args.steps and not stop["flag"]:
-            t0 = time.time()
-            nthr = gov.update()
-            lr = lr_at(step, sched)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            idx = window_batch(n_windows, step, args.seed, args.batch_size)
-            tokens, feats = data["tokens"][idx].long(), data["features"][idx].float()
-            loss, parts = loss_fn(module, tokens, feats, step)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if args.grad_clip:
-                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-            opt.step()
-            step += 1
-            seen += feats.shape[0] * feats.shape[1]
-            lv = loss.item()
-            if not math.isfinite(lv):
-                raise FloatingPointError(f"{kind}: non-finite loss at step {step}")
-            dt = time.time() - t0
-            tps = feats.shape[0] * feats.shape[1] / dt
-            logf.write(f"{step}\t{lv:.5f}\t{json.dumps(parts)}\t{lr:.3e}\t{tps:.0f}\t"
-                       f"{elapsed0 + time.time() - t_start:.1f}\t{nthr}\n")
-            logf.flush()
-            bar.update(1)
-            bar.set_postfix(loss=f"{lv:.3f}", **{k: f"{v:.3f}" for k, v in parts.items()}, tps=f"{tps:.0f}",
-                            refresh=False)
-            if step % args.ckpt_every == 0 or step == args.steps:
-                _save_ckpt(work, module, opt, snapshot())
+        with _stop_on_signals() as stop:
+            while clock.step < args.steps and not stop.is_set():
+                t0, threads, lr = time.time(), gov.update(), lr_at(clock.step, sched)
+                idx = window_batch(n_windows, clock.step, args.seed, args.batch_size)
+                tokens, feats = data["tokens"][idx].long(), data["features"][idx].float()
+                loss, parts = loss_fn(module, tokens, feats, clock.step)
+                _descend(module, opt, loss, lr, args.grad_clip)
+                fed = feats.shape[0] * feats.shape[1]
+                clock.step += 1
+                clock.tokens += fed
+                if not math.isfinite(value := loss.item()):
+                    raise FloatingPointError(f"{kind}: non-finite loss at step {clock.step}")
+                progress.record(clock, value, lr, fed / (time.time() - t0), threads, parts)
+                if clock.step % args.ckpt_every == 0 or clock.step == args.steps:
+                    _save_ckpt(work, module, opt, clock.state(args))
     finally:
-        bar.close()
-        logf.close()
-        for s, h in old.items():
-            signal.signal(s, h)
-    if step < args.steps:
-        _save_ckpt(work, module, opt, snapshot())
-        log(f"{kind}: stopped at step {step}/{args.steps}; checkpoint saved, rerun to resume")
-        return {"finished": False, **snapshot()}
+        progress.close()
+    if clock.step < args.steps:
+        _save_ckpt(work, module, opt, clock.state(args))
+        log(f"{kind}: stopped at step {clock.step}/{args.steps}; checkpoint saved, rerun to resume")
+        return {"finished": False, **clock.state(args)}
     module.eval()
-    return {"finished": True, **snapshot()}
-
+    return {"finished": True, **clock.state(args)}
 
 def prepare_run(args: HeadTrainArgs, log, layers: Sequence[int] = ()):
     torch.manual_seed(args.seed)

@@ -195,23 +195,29 @@ class _Clock:
 
 
 class _Progress:
-    """log.tsv (appended across resumes, one header) and the progress bar."""
+    """log.tsv (appended across resumes, one header) and the progress bar; with ``parts``, a column of the loss's
+    named parts as JSON (a head's losses report several)."""
 
-    def __init__(self, work: Path, args: TrainArgs, step: int):
+    def __init__(self, work: Path, steps: int, step: int, every: int = 1, desc: str | None = None,
+                 parts: bool = False):
         from tqdm import tqdm
 
-        self.every = args.log_every
+        self.every, self.parts = every, parts
         self.file = open(work / "log.tsv", "a")
         if os.path.getsize(work / "log.tsv") == 0:
-            self.file.write("step\tloss\tlr\ttok_per_s\telapsed_s\tthreads\n")
-        self.bar = tqdm(total=args.steps, initial=step, desc=work.name, dynamic_ncols=True, mininterval=5)
+            self.file.write("step\tloss\t" + ("parts\t" if parts else "") + "lr\ttok_per_s\telapsed_s\tthreads\n")
+        self.bar = tqdm(total=steps, initial=step, desc=desc or work.name, dynamic_ncols=True, mininterval=5)
 
-    def record(self, clock: _Clock, loss: float, lr: float, tok_per_s: float, threads: int) -> None:
+    def record(self, clock: _Clock, loss: float, lr: float, tok_per_s: float, threads: int,
+               parts: dict[str, float] | None = None) -> None:
         if clock.step % self.every == 0:
-            self.file.write(f"{clock.step}\t{loss:.5f}\t{lr:.3e}\t{tok_per_s:.0f}\t{clock.elapsed():.1f}\t{threads}\n")
+            named = f"{json.dumps(parts)}\t" if self.parts else ""
+            self.file.write(f"{clock.step}\t{loss:.5f}\t{named}{lr:.3e}\t{tok_per_s:.0f}\t{clock.elapsed():.1f}\t"
+                            f"{threads}\n")
             self.file.flush()
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tps=f"{tok_per_s:.0f}", refresh=False)
+        shown = {k: f"{v:.3f}" for k, v in parts.items()} if self.parts else {"lr": f"{lr:.2e}"}
+        self.bar.set_postfix(loss=f"{loss:.3f}", tps=f"{tok_per_s:.0f}", **shown, refresh=False)
 
     def close(self) -> None:
         self.bar.close()
@@ -278,10 +284,12 @@ def _teacher(args: TrainArgs, config, log):
     return teacher
 
 
-def _optimizer(model, args: TrainArgs, resume_from: Path | None) -> torch.optim.Optimizer:
-    """AdamW, no weight decay on norms and biases; its state from the checkpoint when resuming."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+def _optimizer(model, args, resume_from: Path | None) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, no weight decay on norms and biases; its state from the checkpoint
+    when resuming."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
@@ -336,7 +344,7 @@ def train(args: TrainArgs, config=None, log=print, streams: Mapping[str, torch.T
     log(f"train stream: {stream.numel():,} tokens")
 
     clock = _Clock(state)
-    progress = _Progress(work, args, clock.step)
+    progress = _Progress(work, args.steps, clock.step, args.log_every)
     try:
         with _stop_on_signals() as stop:
             while clock.step < args.steps and not stop.is_set():
