@@ -43,8 +43,9 @@ class DraftModelProposer(Proposer):
                  tree: int = 0, tree_width: int = 4):
         """``vocab``: draft only among these token ids (a list), or among the ``vocab`` most frequent ones (an
         int: the draft's directory or else the target's must hold ``frequent_tokens.json``, as the bundled
-        target's does; ``specplug train token-ranks`` writes one), or over the whole vocabulary (``"all"``). None (the default) takes the
-        ``default_vocab`` that file recommends, if it has one, else the whole vocabulary.
+        target's does; ``specplug train token-ranks`` writes one), or over the whole vocabulary (``"all"``).
+        None (the default) takes the ``default_vocab`` that file recommends, if it has one, else the whole
+        vocabulary.
 
         ``stop_below``: end a draft early once the draft's own probability of the token it just drafted falls
         below this (the token is still proposed; drafting beyond it would mostly be rejected). The draft's
@@ -80,15 +81,7 @@ class DraftModelProposer(Proposer):
             # (c 0.17 vs 0.16) and accepted less at temperature 1 (tokens per call 2.8 vs 3.0 at γ = 4)
             model = _default_draft(target)
         device = device or target.device
-        if isinstance(model, torch.nn.Module):
-            lm, tokenizer = model.to(device).eval(), None
-        else:
-            if isinstance(model, str) and zoo.is_zoo_name(model):
-                model = zoo.resolve(model)
-            if isinstance(dtype, str):
-                dtype = getattr(torch, dtype)
-            lm = load_causal_lm(model, device=device, dtype=dtype or target.dtype, trust_remote_code=trust_remote_code)
-            tokenizer = load_tokenizer(model, trust_remote_code=trust_remote_code)
+        model, lm, tokenizer = _load_draft(model, target, device, dtype, trust_remote_code)
         # the lean path is chosen below (fast=); the Target wrapper is for HF's forward, vocabulary and text
         self.draft = Target(lm, tokenizer, name=str(getattr(lm.config, "_name_or_path", "")) or "draft", lean=False)
         self.bf16_model: torch.nn.Module | None = None
@@ -105,13 +98,24 @@ class DraftModelProposer(Proposer):
                                            ranks, ranks_file, target.vocab_size, "draft-model")
         self.stop_below = draft_stop.threshold(stop_below, (ranks or {}).get("stop_below"), "draft-model")
         self.vocab_size = target.vocab_size
-        if weights is None:  # int8 where it drafts faster here than the loaded weights (with one-row copies)
+        self.weights = self._weights(weights, target.vocab_size, lm.config.hidden_size, device)
+        self.greedy_projection = self._projection(self.subset, lm, device)
+        self.sampled_projection = (self.greedy_projection if same_subset(self.subset, self.sampled_subset)
+                                   else self._projection(self.sampled_subset, lm, device))
+        if self.lean is not None:
+            self.lean.head = self.greedy_projection.product  # the model's own head product is not used
+        if asked == "bf16" or (asked is None and not isinstance(model, torch.nn.Module)):
+            self._bf16_products(lm, device, chosen=asked == "bf16")
+
+    def _weights(self, weights: str | None, vocab_size: int, hidden: int, device) -> str:
+        """The form the draft multiplies by: ``weights`` as asked, or (None) int8 where that drafts faster here
+        than the loaded weights (with one-row copies); int8 products installed where chosen."""
+        if weights is None:
             weights = "loaded"
             if self.lean is not None:
-                head = (target.vocab_size if self.subset is None else len(self.subset), lm.config.hidden_size)
+                head = (vocab_size if self.subset is None else len(self.subset), hidden)
                 shapes = [tuple(p.weight.shape) for layer in self.lean.layers for p in layer.products()] + [head]
                 weights = drafting_weights(shapes, device, self.lean.dtype, "loaded", one_row_copies=True)
-        self.weights = weights
         if weights == "int8":
             if self.lean is None:
                 raise ValueError(f"draft-model: weights='int8' needs the lean path, which this draft cannot take "
@@ -120,13 +124,7 @@ class DraftModelProposer(Proposer):
                 raise ValueError(f"draft-model: weights='int8' needs torch's int8 kernel "
                                  f"(torch._weight_int8pack_mm), which this torch build does not run on {device}")
             self.lean.to_int8(head=False)  # the heads are the projections' below
-        self.greedy_projection = self._projection(self.subset, lm, device)
-        self.sampled_projection = (self.greedy_projection if same_subset(self.subset, self.sampled_subset)
-                                   else self._projection(self.sampled_subset, lm, device))
-        if self.lean is not None:
-            self.lean.head = self.greedy_projection.product  # the model's own head product is not used
-        if asked == "bf16" or (asked is None and not isinstance(model, torch.nn.Module)):
-            self._bf16_products(lm, device, chosen=asked == "bf16")
+        return weights
 
     def _bf16_products(self, lm: torch.nn.Module, device, chosen: bool) -> None:
         """Multiply in bfloat16 (a copy of the draft; activations stay float32, as the target's bf16 products
@@ -363,6 +361,19 @@ class DraftModelProposer(Proposer):
 
 
 WEIGHTS = ("loaded", "int8", "bf16")
+
+
+def _load_draft(model: str | os.PathLike | torch.nn.Module, target: Target, device, dtype, trust_remote_code: bool):
+    """(model as resolved, the draft LM on ``device``, its tokenizer or None): a module as given, else loaded
+    (a zoo name resolved) in ``dtype`` or the target's."""
+    if isinstance(model, torch.nn.Module):
+        return model, model.to(device).eval(), None
+    if isinstance(model, str) and zoo.is_zoo_name(model):
+        model = zoo.resolve(model)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    lm = load_causal_lm(model, device=device, dtype=dtype or target.dtype, trust_remote_code=trust_remote_code)
+    return model, lm, load_tokenizer(model, trust_remote_code=trust_remote_code)
 
 
 def _default_draft(target: Target):
