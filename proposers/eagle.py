@@ -22,12 +22,11 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from specplug import draft_stop, few_rows, heads, int8_products, zoo
-from specplug.drafting_vocab import (Projection, projection_onto, read_ranks, same_subset, sampled_or_greedy,
-                                     vocab_subset)
+from specplug import draft_stop, heads, int8_products, zoo
+from specplug.drafting_vocab import Projection, drafting_subsets, projection_onto, same_subset
 from specplug.drafting_products import head_weights, linear_shapes
-from specplug.feature_heads import (KVCache, FeatureHeadProposer, attention_mask, head_config_for,
-                                    llama_config, reset_head_parameters)
+from specplug.feature_heads import (KVCache, FeatureHeadProposer, attention_mask, frozen_for_drafting,
+                                    head_config_for, llama_config, reset_head_parameters)
 from specplug.hf_compat import cache_kwargs
 from specplug.lean_llama import LayerCache, LeanLayer, Product, RopeTable
 from specplug.plugins.hookspecs import hookimpl
@@ -114,11 +113,7 @@ class EagleProposer(FeatureHeadProposer):
         self.target = target
         self.prompt_features = bool(prompt_features)
         self.head_path = None
-        if head is None:
-            head = heads.default_head_dir(target, KIND, zoo.DEFAULT_EAGLE)
-            if head is None:
-                raise TypeError(f"eagle needs head= (a trained head directory, or 'random') for target "
-                                f"{target.name!r}; only bundled zoo targets have a default head")
+        head = heads.given_or_default(head, target, KIND, zoo.DEFAULT_EAGLE)
         recommended = {}  # the head's config.json may recommend drafting settings (drafting.vocab, ...)
         if isinstance(head, EagleHead):
             module = head
@@ -130,14 +125,9 @@ class EagleProposer(FeatureHeadProposer):
             module = EagleHead(config["head"])
             module.load_state_dict(state)
             recommended = config.get("drafting", {})
-        if module.config["hidden_size"] != target.hidden_size or module.config.get("vocab_size", target.vocab_size) != target.vocab_size:
-            raise ValueError(f"eagle: head (hidden {module.config['hidden_size']}) does not fit target "
-                             f"{target.name!r} (hidden {target.hidden_size}, vocab {target.vocab_size})")
-        ranks, ranks_file = read_ranks(self.head_path, getattr(target, "path", None))
-        vocab = vocab if vocab is not None else recommended.get("vocab", "all")
-        sampled_vocab = sampled_or_greedy(sampled_vocab, recommended.get("sampled_vocab"), vocab)
-        self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, KIND)
-        self.sampled_subset = vocab_subset(sampled_vocab, ranks, ranks_file, target.vocab_size, KIND)
+        heads.check_fits(module, target, KIND)
+        self.subset, self.sampled_subset = drafting_subsets(vocab, sampled_vocab, recommended, self.head_path, target,
+                                                            KIND)
         if weights is None:  # int8 where it drafts faster here (the head's recommendation was measured elsewhere)
             projection = (target.vocab_size if self.subset is None else len(self.subset), target.hidden_size)
             weights = head_weights(linear_shapes(module) + [projection], target, recommended.get("weights"))
@@ -145,26 +135,18 @@ class EagleProposer(FeatureHeadProposer):
                                                      "target")
         self.stop_below = draft_stop.threshold(stop_below, recommended.get("stop_below"), KIND)
         self.vocab_size = target.vocab_size
-        self.head = module.to(device=target.device, dtype=target.dtype).eval()
-        for p in self.head.parameters():
-            p.requires_grad_(False)
+        # "target": bf16 for the zoo target, as the head was trained under bf16 autocast: a drafting step reads
+        # half the bytes of float32 (zoo head: 0.71 -> 0.50 ms a token)
+        self.head = frozen_for_drafting(module, target, self.weights)
         int8 = self.weights == "int8"
-        if self.weights == "target":
-            # bf16 for the zoo target, as the head was trained under bf16 autocast: a drafting step reads half
-            # the bytes of float32 (zoo head: 0.71 -> 0.50 ms a token)
-            few_rows.install(self.head, weight_dtype=getattr(target, "matmul_dtype", None))
         # drafting runs the head's layer through specplug.lean_llama: HF's per-call cost would dominate
         self.lean_layer = LeanLayer(self.head.layer, int8=int8)
         self.fc = Product(self.head.fc.weight, self.head.fc.bias, int8=int8)
         self.greedy_projection = _projection(self.subset, target, int8)
         self.sampled_projection = (self.greedy_projection if same_subset(self.subset, self.sampled_subset)
                                    else _projection(self.sampled_subset, target, int8))
-        if int8 and not isinstance(head, EagleHead):
-            # a head loaded here is ours: its float linear weights are no longer used, so let them go
-            for m in self.head.modules():
-                if isinstance(m, nn.Linear):
-                    m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
-                    m.bias = None if m.bias is None else nn.Parameter(m.bias.new_empty(0), requires_grad=False)
+        if int8 and not isinstance(head, EagleHead):  # a head loaded here is ours: its float weights can go
+            heads.release_float_weights(self.head)
         self.rope = RopeTable(self.head.rotary, target.device, target.dtype)
         # a drafted token's embedding as a row of the table (~1 µs) rather than a module call on a new tensor
         # (~7 µs a step); only for a plain nn.Embedding, whose forward is exactly that lookup

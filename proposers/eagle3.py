@@ -208,9 +208,7 @@ class Eagle3Proposer(FeatureHeadProposer):
             raise TypeError("eagle3 needs target= (the Target whose features it reads)")
         self.target, self.prompt_features, self.head_path = target, bool(prompt_features), None
         module, recommended = self._load(target, head, seed, init_std, vocab, feature_layers)
-        if module.config["hidden_size"] != target.hidden_size or module.config["vocab_size"] != target.vocab_size:
-            raise ValueError(f"eagle3: head (hidden {module.config['hidden_size']}, vocab {module.config['vocab_size']}) "
-                             f"does not fit target {target.name!r} (hidden {target.hidden_size}, vocab {target.vocab_size})")
+        heads.check_fits(module, target, KIND)
         top = target.model.config.num_hidden_layers
         if not all(0 <= i <= top for i in module.config["feature_layers"]):
             raise ValueError(f"eagle3: head reads layers {module.config['feature_layers']}, but target "
@@ -237,11 +235,7 @@ class Eagle3Proposer(FeatureHeadProposer):
 
     def _load(self, target, head, seed, init_std, vocab, feature_layers) -> tuple[Eagle3Head, dict]:
         """The head module and its drafting recommendations (``drafting`` in its config.json)."""
-        if head is None:
-            head = heads.default_head_dir(target, KIND, DEFAULT_HEADS)
-            if head is None:
-                raise TypeError(f"eagle3 needs head= (a trained head directory, or 'random') for target "
-                                f"{target.name!r}; only bundled zoo targets have a default head")
+        head = heads.given_or_default(head, target, KIND, DEFAULT_HEADS)
         if isinstance(head, Eagle3Head):
             return head, {}
         if isinstance(head, str) and head == "random":

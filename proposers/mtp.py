@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specplug import heads, int8_products, zoo
-from specplug.drafting_vocab import (full_q, projection_onto, read_ranks, same_subset, sampled_or_greedy,
-                                     vocab_subset)
+from specplug.drafting_vocab import drafting_subsets, full_q, projection_onto, same_subset
 from specplug.drafting_products import drafting_weights, linear_shapes
 from specplug.lean_llama import Product
 from specplug.plugins.hookspecs import hookimpl
@@ -155,11 +154,7 @@ class MTPProposer(Proposer):
         self.target = target
         self.prompt_features = bool(prompt_features)
         self.head_path = None
-        if head is None:
-            head = heads.default_head_dir(target, KIND, zoo.DEFAULT_MTP)
-            if head is None:
-                raise TypeError(f"mtp needs head= (a trained heads directory, or 'random') for target "
-                                f"{target.name!r}; only bundled zoo targets have default heads")
+        head = heads.given_or_default(head, target, KIND, zoo.DEFAULT_MTP)
         recommended = {}  # the heads' config.json may recommend drafting settings (drafting.vocab, ...)
         if isinstance(head, MTPHeads):
             module = head
@@ -172,18 +167,10 @@ class MTPProposer(Proposer):
             module = MTPHeads(config["head"])
             module.load_state_dict(state)
             recommended = config.get("drafting", {})
-        if module.config["hidden_size"] != target.hidden_size or module.config["vocab_size"] != target.vocab_size:
-            raise ValueError(f"mtp: heads (hidden {module.config['hidden_size']}, vocab "
-                             f"{module.config['vocab_size']}) do not fit target {target.name!r} "
-                             f"(hidden {target.hidden_size}, vocab {target.vocab_size})")
-        self.heads = module.to(device=target.device, dtype=target.dtype).eval()
-        for p in self.heads.parameters():
-            p.requires_grad_(False)
-        ranks, ranks_file = read_ranks(self.head_path, getattr(target, "path", None))
-        vocab = vocab if vocab is not None else recommended.get("vocab", "all")
-        sampled_vocab = sampled_or_greedy(sampled_vocab, recommended.get("sampled_vocab"), vocab)
-        self.subset = vocab_subset(vocab, ranks, ranks_file, target.vocab_size, KIND)
-        self.sampled_subset = vocab_subset(sampled_vocab, ranks, ranks_file, target.vocab_size, KIND)
+        heads.check_fits(module, target, KIND)
+        self.heads = module.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+        self.subset, self.sampled_subset = drafting_subsets(vocab, sampled_vocab, recommended, self.head_path, target,
+                                                            KIND)
         self.vocab_size = target.vocab_size
         if weights is None:  # int8 where it drafts faster here (the heads' recommendation was measured elsewhere)
             projection = (target.vocab_size if self.subset is None else len(self.subset), target.hidden_size)
@@ -199,12 +186,8 @@ class MTPProposer(Proposer):
         self.greedy_projections = self._projections(self.subset, int8)
         self.sampled_projections = (self.greedy_projections if same_subset(self.subset, self.sampled_subset)
                                     else self._projections(self.sampled_subset, int8))
-        if int8 and not isinstance(head, MTPHeads):
-            # heads loaded here are ours: their float linear weights are no longer used, so let them go
-            for m in self.heads.modules():
-                if isinstance(m, nn.Linear):
-                    m.weight = nn.Parameter(m.weight.new_empty(0), requires_grad=False)
-                    m.bias = None if m.bias is None else nn.Parameter(m.bias.new_empty(0), requires_grad=False)
+        if int8 and not isinstance(head, MTPHeads):  # heads loaded here are ours: their float weights can go
+            heads.release_float_weights(self.heads)
 
     def _projections(self, subset: torch.Tensor | None, int8: bool) -> list:
         """One projection per head: the target's LM head (one projection shared by every head) or each head's

@@ -79,6 +79,18 @@ def sampled_or_greedy(sampled_vocab, recommended, vocab):
     return recommended if recommended is not None else vocab
 
 
+def drafting_subsets(vocab, sampled_vocab, recommended: dict, head_dir, target, who: str
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A head's drafting vocabularies for greedy and for sampling sequences: ``vocab`` / ``sampled_vocab`` as
+    given, else the head's ``recommended`` ones (its config's ``drafting``), else all; counts of the most
+    frequent tokens ranked by ``frequent_tokens.json`` in ``head_dir`` or the target's directory."""
+    ranks, ranks_file = read_ranks(head_dir, getattr(target, "path", None))
+    vocab = vocab if vocab is not None else recommended.get("vocab", "all")
+    sampled_vocab = sampled_or_greedy(sampled_vocab, recommended.get("sampled_vocab"), vocab)
+    return (vocab_subset(vocab, ranks, ranks_file, target.vocab_size, who),
+            vocab_subset(sampled_vocab, ranks, ranks_file, target.vocab_size, who))
+
+
 def same_subset(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """Whether two drafting vocabularies (None: all) are the same, so one projection can serve both."""
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))

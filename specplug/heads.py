@@ -180,6 +180,34 @@ def default_head_dir(target, kind: str, defaults: Mapping[str, str]) -> Path | N
     return None
 
 
+def given_or_default(head, target, kind: str, defaults: Mapping[str, str]):
+    """``head`` as given, else the head bundled for ``target`` or found beside it (:func:`default_head_dir`); a
+    TypeError naming ``kind`` where there is none."""
+    if head is not None:
+        return head
+    found = default_head_dir(target, kind, defaults)
+    if found is None:
+        raise TypeError(f"{kind} needs head= (a trained head directory, or 'random') for target {target.name!r}; "
+                        "only bundled zoo targets have a default head")
+    return found
+
+
+def check_fits(module, target, kind: str) -> None:
+    """A ValueError naming ``kind`` where the head's hidden size or vocabulary is not the target's."""
+    hidden, vocab = module.config["hidden_size"], module.config.get("vocab_size", target.vocab_size)
+    if hidden != target.hidden_size or vocab != target.vocab_size:
+        raise ValueError(f"{kind}: head (hidden {hidden}, vocab {vocab}) does not fit target {target.name!r} "
+                         f"(hidden {target.hidden_size}, vocab {target.vocab_size})")
+
+
+def release_float_weights(module: torch.nn.Module) -> None:
+    """Empty the linear layers' weights of a head its proposer loaded, once int8 copies multiply in their place."""
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.weight = torch.nn.Parameter(m.weight.new_empty(0), requires_grad=False)
+            m.bias = None if m.bias is None else torch.nn.Parameter(m.bias.new_empty(0), requires_grad=False)
+
+
 def resolve_head_path(head: str | os.PathLike) -> Path:
     """A head directory, or a ``zoo:`` name of a bundled head."""
     if isinstance(head, str) and zoo.is_zoo_name(head):

@@ -195,6 +195,21 @@ def test_a_head_refuses_a_target_it_was_not_trained_for(small_vocab_dirs, small_
     assert config["target"]["name"] == small_target.name and config["dtype"] == "float16"
 
 
+@pytest.mark.parametrize("kind", ["eagle", "mtp"])
+def test_a_head_built_for_another_width_is_refused_by_name(kind, small_vocab_dirs, small_target):
+    narrow = specplug.Target.from_pretrained(small_vocab_dirs["draft"])  # hidden 16 against the target's 32
+    head = (EagleHead.for_target(narrow.model.config) if kind == "eagle"
+            else MTPHeads.for_target(narrow.model, num_heads=2))
+    with pytest.raises(ValueError, match=rf"^{kind}: head \(hidden 16, vocab 6\) does not fit target .*hidden 32"):
+        specplug.get_proposer(kind, target=small_target, head=head)
+
+
+def test_a_head_without_a_default_must_be_named(small_target):
+    for kind in ("eagle", "mtp", "eagle3"):
+        with pytest.raises(TypeError, match=rf"^{kind} needs head="):
+            specplug.get_proposer(kind, target=small_target)
+
+
 def test_a_head_fits_its_target_in_any_load_dtype(small_vocab_dirs, small_target, tmp_path):
     module = EagleHead.for_target(small_target.model.config, seed=1)
     heads.save_head(tmp_path / "e", "eagle", module.state_dict(), module.config, small_target)
