@@ -4,7 +4,8 @@
 - a proposer never imports the decode loop (specplug.decode, specplug.batch, any engine module) or another
   proposer;
 - the decode loop never imports a concrete proposer;
-- training code reaches proposers only through the registry or their public names.
+- no module takes another's private names (training reaches proposers through the registry or their public
+  names; the engine's pieces share through public ones).
 """
 from __future__ import annotations
 
@@ -112,10 +113,10 @@ def _broken(name: str, imp: Import, targets: list[str]) -> list[str]:
             broken.append("a proposer never imports another proposer")
     if _under(name, LOOP) and any(_under(t, ["specplug.proposers"]) for t in targets):
         broken.append("the decode loop never imports a concrete proposer")
-    if _under(name, ["specplug.training"]) and _under(imp.target, ["specplug.proposers"]):
-        private = [n for n in imp.names if n.startswith("_")]
+    if _under(imp.target, PACKAGES) and imp.target != name:
+        private = [n for n in imp.names if n.startswith("_") and not n.startswith("__")]
         if private:
-            broken.append(f"training reaches proposers through public names only, not {', '.join(private)}")
+            broken.append(f"a module takes only another's public names, not {', '.join(private)}")
     return broken
 
 
@@ -178,9 +179,13 @@ def test_the_loop_importing_a_concrete_proposer_is_caught(tmp_path):
                                 "the decode loop never imports a concrete proposer"]
 
 
-def test_training_taking_a_proposers_private_name_is_caught(tmp_path):
+def test_a_module_taking_anothers_private_name_is_caught(tmp_path):
     root = _planted(tmp_path, {"specplug/training/eagle.py":
                                "def f():\n    from specplug.proposers.eagle import _rope\n",
-                               "specplug/training/mtp.py": "from specplug.proposers.eagle import EagleHead\n"})
+                               "specplug/training/mtp.py": "from specplug.proposers.eagle import EagleHead\n",
+                               "specplug/training/heads.py": "from .trainer import _Clock, lr_at\n",
+                               "specplug/training/trainer.py": "from itertools import count as _count\n"})
     assert violations(root) == ["specplug.training.eagle:2 imports specplug.proposers.eagle: "
-                                "training reaches proposers through public names only, not _rope"]
+                                "a module takes only another's public names, not _rope",
+                                "specplug.training.heads:1 imports specplug.training.trainer: "
+                                "a module takes only another's public names, not _Clock"]

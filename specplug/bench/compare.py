@@ -95,8 +95,6 @@ class Run:
         return self.stats.wall_time / max(self.stats.new_tokens, 1)
 
 
-_Run = Run  # the name peers were first written against
-
 PeerRunner = Callable[..., Iterator[tuple[tuple[str, int], Run]]]
 
 

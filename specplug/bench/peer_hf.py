@@ -31,7 +31,7 @@ class HFPeer:
             yield ("hf-prompt-lookup", g), self._run(ids, sampling, max_new_tokens, prompt_lookup_num_tokens=g)
 
     def _run(self, ids, sampling, max_new_tokens, **extra):
-        from .compare import _Run
+        from .compare import Run
 
         eos = sorted(self.target.eos_token_ids)
         kwargs = dict(max_new_tokens=max_new_tokens, do_sample=not sampling.greedy,
@@ -46,4 +46,4 @@ class HFPeer:
         tokens = out[0, ids.shape[1]:].tolist()
         stats = GenerationStats(wall_time=wall, prompt_tokens=ids.shape[1])
         stats.record_step(0, 0, 0, len(tokens), wall)
-        return _Run(stats, tokens)
+        return Run(stats, tokens)

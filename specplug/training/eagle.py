@@ -141,32 +141,32 @@ def train_head(args: HeadTrainArgs, kind: str, module: torch.nn.Module, loss_fn:
     model trainer's checkpoints, log, optimizer and signal handling (:mod:`specplug.training.trainer`)."""
     from safetensors.torch import load_model
 
-    from .trainer import (TrainArgs, _Clock, _descend, _optimizer, _Progress, _save_ckpt, _stop_on_signals,
-                          _ThreadGovernor, lr_at)
+    from .trainer import (Clock, Progress, ThreadGovernor, TrainArgs, descend, lr_at, optimizer_for, save_checkpoint,
+                          stop_on_signals)
 
-    gov = _ThreadGovernor(args.threads)
+    gov = ThreadGovernor(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     sched = TrainArgs(work_dir=str(work), tokenizer_dir="", steps=args.steps, lr=args.lr,
                       min_lr_ratio=args.min_lr_ratio, warmup=args.warmup)
     resumed = (work / "ckpt" / "state.json").exists()
-    clock = _Clock(json.loads((work / "ckpt" / "state.json").read_text()) if resumed
+    clock = Clock(json.loads((work / "ckpt" / "state.json").read_text()) if resumed
                    else {"step": 0, "tokens": 0, "elapsed_s": 0.0})
     if resumed:
         load_model(module, str(work / "ckpt" / "model.safetensors"))
         log(f"{kind}: resumed at step {clock.step}")
-    opt = _optimizer(module, args, work if resumed else None)
+    opt = optimizer_for(module, args, work if resumed else None)
     module.train()
     n_windows = data["tokens"].shape[0]
-    progress = _Progress(work, args.steps, clock.step, desc=kind, parts=True)
+    progress = Progress(work, args.steps, clock.step, desc=kind, parts=True)
     try:
-        with _stop_on_signals() as stop:
+        with stop_on_signals() as stop:
             while clock.step < args.steps and not stop.is_set():
                 t0, threads, lr = time.time(), gov.update(), lr_at(clock.step, sched)
                 idx = window_batch(n_windows, clock.step, args.seed, args.batch_size)
                 tokens, feats = data["tokens"][idx].long(), data["features"][idx].float()
                 loss, parts = loss_fn(module, tokens, feats, clock.step)
-                _descend(module, opt, loss, lr, args.grad_clip)
+                descend(module, opt, loss, lr, args.grad_clip)
                 fed = feats.shape[0] * feats.shape[1]
                 clock.step += 1
                 clock.tokens += fed
@@ -174,11 +174,11 @@ def train_head(args: HeadTrainArgs, kind: str, module: torch.nn.Module, loss_fn:
                     raise FloatingPointError(f"{kind}: non-finite loss at step {clock.step}")
                 progress.record(clock, value, lr, fed / (time.time() - t0), threads, parts)
                 if clock.step % args.ckpt_every == 0 or clock.step == args.steps:
-                    _save_ckpt(work, module, opt, clock.state(args))
+                    save_checkpoint(work, module, opt, clock.state(args))
     finally:
         progress.close()
     if clock.step < args.steps:
-        _save_ckpt(work, module, opt, clock.state(args))
+        save_checkpoint(work, module, opt, clock.state(args))
         log(f"{kind}: stopped at step {clock.step}/{args.steps}; checkpoint saved, rerun to resume")
         return {"finished": False, **clock.state(args)}
     module.eval()

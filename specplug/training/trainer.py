@@ -70,7 +70,7 @@ def keeps_caller_threads(fn):
     return wrapper
 
 
-class _ThreadGovernor:
+class ThreadGovernor:
     """Use `max_threads` intra-op threads, but only 1 while other processes keep >0.6 core busy:
     on a shared 2-core box, 2 threads fighting a third busy process run ~4x slower than 1."""
 
@@ -119,7 +119,9 @@ def lr_at(step: int, a: TrainArgs) -> float:
     return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * prog)))
 
 
-def _save_ckpt(work: Path, model, opt, state: dict):
+def save_checkpoint(work: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict) -> None:
+    """``work``/ckpt: the model's weights (safetensors), the optimizer's state and ``state``, written beside the
+    last checkpoint and then swapped in by renames, never over it."""
     from safetensors.torch import save_model
 
     tmp = work / "ckpt.tmp"
@@ -180,7 +182,7 @@ def evaluate(model, stream: torch.Tensor, seq_len: int, max_tokens: int | None =
     return {"val_loss": tot / n, "val_ppl": math.exp(tot / n), "val_tokens": n}
 
 
-class _Clock:
+class Clock:
     """A run's steps, tokens seen and training seconds, carried over from the checkpoint it resumes."""
 
     def __init__(self, state: dict):
@@ -194,7 +196,7 @@ class _Clock:
         return {"step": self.step, "tokens": self.tokens, "elapsed_s": self.elapsed(), "args": asdict(args)}
 
 
-class _Progress:
+class Progress:
     """log.tsv (appended across resumes, one header) and the progress bar; with ``parts``, a column of the loss's
     named parts as JSON (a head's losses report several)."""
 
@@ -208,7 +210,7 @@ class _Progress:
             self.file.write("step\tloss\t" + ("parts\t" if parts else "") + "lr\ttok_per_s\telapsed_s\tthreads\n")
         self.bar = tqdm(total=steps, initial=step, desc=desc or work.name, dynamic_ncols=True, mininterval=5)
 
-    def record(self, clock: _Clock, loss: float, lr: float, tok_per_s: float, threads: int,
+    def record(self, clock: Clock, loss: float, lr: float, tok_per_s: float, threads: int,
                parts: dict[str, float] | None = None) -> None:
         if clock.step % self.every == 0:
             named = f"{json.dumps(parts)}\t" if self.parts else ""
@@ -225,7 +227,7 @@ class _Progress:
 
 
 @contextlib.contextmanager
-def _stop_on_signals():
+def stop_on_signals():
     """SIGTERM and SIGINT ask the loop to stop after its current step and save, not to die mid-checkpoint."""
     stop = threading.Event()
     old = {s: signal.signal(s, lambda signum, frame: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -284,7 +286,7 @@ def _teacher(args: TrainArgs, config, log):
     return teacher
 
 
-def _optimizer(model, args, resume_from: Path | None) -> torch.optim.Optimizer:
+def optimizer_for(model, args, resume_from: Path | None) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters, no weight decay on norms and biases; its state from the checkpoint
     when resuming."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -317,7 +319,8 @@ def _loss(model, teacher, x: torch.Tensor, args: TrainArgs) -> torch.Tensor:
     return loss + args.ce_weight * _next_token_ce(logits, tgt) if args.ce_weight else loss
 
 
-def _descend(model, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, grad_clip: float) -> None:
+def descend(model, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, grad_clip: float) -> None:
+    """One optimizer step on ``loss`` at learning rate ``lr``, gradients clipped to norm ``grad_clip`` (0: not)."""
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
@@ -331,7 +334,7 @@ def _descend(model, opt: torch.optim.Optimizer, loss: torch.Tensor, lr: float, g
 def train(args: TrainArgs, config=None, log=print, streams: Mapping[str, torch.Tensor] | None = None) -> dict:
     """Train (or resume) in args.work_dir. `config` is required for a fresh run. `streams` maps "train" and
     "heldout" to 1-D token tensors (default: the stdlib corpus through ``args.tokenizer_dir``)."""
-    gov = _ThreadGovernor(args.threads)
+    gov = ThreadGovernor(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     streams = streams or _LazyStreams(args.tokenizer_dir, work.parent / "cache")
@@ -339,19 +342,19 @@ def train(args: TrainArgs, config=None, log=print, streams: Mapping[str, torch.T
     model = _student(args, config, work, resumed, log)
     log(f"model: {n_params(model):,} params; resumed={resumed} at step {state['step']}")
     teacher = _teacher(args, config, log)
-    opt = _optimizer(model, args, work if resumed else None)
+    opt = optimizer_for(model, args, work if resumed else None)
     stream = streams["train"]
     log(f"train stream: {stream.numel():,} tokens")
 
-    clock = _Clock(state)
-    progress = _Progress(work, args.steps, clock.step, args.log_every)
+    clock = Clock(state)
+    progress = Progress(work, args.steps, clock.step, args.log_every)
     try:
-        with _stop_on_signals() as stop:
+        with stop_on_signals() as stop:
             while clock.step < args.steps and not stop.is_set():
                 t0, threads, lr = time.time(), gov.update(), lr_at(clock.step, args)
                 x = batch_for_step(stream, clock.step, args.seed, args.batch_size, args.seq_len)
                 loss = _loss(model, teacher, x, args)
-                _descend(model, opt, loss, lr, args.grad_clip)
+                descend(model, opt, loss, lr, args.grad_clip)
                 fed = x[:, :-1].numel()
                 clock.step += 1
                 clock.tokens += fed
@@ -359,11 +362,11 @@ def train(args: TrainArgs, config=None, log=print, streams: Mapping[str, torch.T
                     raise FloatingPointError(f"non-finite loss at step {clock.step}")
                 progress.record(clock, value, lr, fed / (time.time() - t0), threads)
                 if clock.step % args.ckpt_every == 0 or clock.step == args.steps:
-                    _save_ckpt(work, model, opt, clock.state(args))
+                    save_checkpoint(work, model, opt, clock.state(args))
     finally:
         progress.close()
     if clock.step < args.steps:
-        _save_ckpt(work, model, opt, clock.state(args))
+        save_checkpoint(work, model, opt, clock.state(args))
         log(f"stopped at step {clock.step}/{args.steps}; checkpoint saved, rerun to resume")
         return {"finished": False, **clock.state(args)}
 
