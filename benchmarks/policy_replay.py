@@ -57,7 +57,7 @@ import numpy as np
 import specplug
 from specplug.batch import generate_batch
 from specplug.engine import prompt_ids
-from specplug.policies import CostModelPolicy, FixedPolicy, _between, _non_decreasing
+from specplug.policies import CostModelPolicy, FixedPolicy, interpolated, non_decreasing
 from specplug.types import SequenceState
 from specplug.verifier import Verdict
 
@@ -162,10 +162,10 @@ class CostTable:
             return max(float(self.plane @ np.array([1.0, tokens, batch_size])), 1e-6)
         sizes = {b for b, _ in self.passes}
         here = min(sizes, key=lambda b: (abs(b - batch_size), -b))
-        points = _non_decreasing(sorted((n, t) for (b, n), t in self.passes.items() if b == here))
+        points = non_decreasing(sorted((n, t) for (b, n), t in self.passes.items() if b == here))
         if tokens <= points[0][0]:
             return points[0][1]
-        inside = _between(points, tokens)
+        inside = interpolated(points, tokens)
         if inside is not None:
             return inside
         if len(points) < 2:

@@ -274,7 +274,7 @@ class MeasuredCosts:
     def _measured_at(self, batch_size: int) -> list[tuple[int, float]]:
         """Measured (n, seconds) at this batch size by n, made non-decreasing: scoring more tokens does not
         cost less, so a pass measured dearer than a longer one is estimated at the longer one's cost."""
-        return _non_decreasing([(m, t) for (m, b), t in self.verify.items() if b == batch_size])
+        return non_decreasing([(m, t) for (m, b), t in self.verify.items() if b == batch_size])
 
     def _along_n(self, n: int, batch_size: int) -> float | None:
         """Scoring n tokens a row at this batch size from what was measured there alone: measured, between
@@ -389,17 +389,17 @@ class MeasuredCosts:
 def _draft_at(lines: list[tuple[int, float, float]], k: int, rows: int) -> float:
     """:meth:`MeasuredCosts.draft_time` of k >= 1 tokens in ``rows`` rows from each measured row count's
     (rows, fixed, per pass), sorted by rows."""
-    measured = _non_decreasing([(r, fixed + k * per) for r, fixed, per in lines])
+    measured = non_decreasing([(r, fixed + k * per) for r, fixed, per in lines])
     if rows <= measured[0][0]:
         return measured[0][1]
-    inside = _between(measured, rows)
+    inside = interpolated(measured, rows)
     if inside is not None:
         return inside
     top_rows, top = measured[-1]
     return top * rows / top_rows
 
 
-def _non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+def non_decreasing(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """Points sorted by x, each y lowered to the smallest y at or beyond its x (a cost that cannot fall as
     x grows: a point above a later one is noise, or an odd kernel for that shape)."""
     points = sorted(points)
@@ -415,7 +415,7 @@ def _along(here: list[tuple[int, float]], n: int) -> float | None:
         return None
     if n == here[0][0]:
         return here[0][1]
-    inside = _between(here, n)
+    inside = interpolated(here, n)
     return inside if inside is not None else _beyond(here, n)
 
 
@@ -431,7 +431,7 @@ def _beyond(here: list[tuple[int, float]], n: int) -> float | None:
 
 def _along_upto(here: list[tuple[int, float]], upto: int) -> list[float | None]:
     """:func:`_along` for n = 1..upto, walking the points once: each n falls in the first segment (x0, x1) with
-    x0 <= n <= x1, as :func:`_between` finds it, priced by the same arithmetic."""
+    x0 <= n <= x1, as :func:`interpolated` finds it, priced by the same arithmetic."""
     if not here:
         return [None] * upto
     (first, t_first), last = here[0], len(here) - 1
@@ -458,7 +458,7 @@ def _hope(fresh: list[tuple[int, float]], n: int) -> float | None:
     :meth:`MeasuredCosts.hopeful_verify_time`)."""
     shorter = [(m, t) for m, t in fresh if m < n]
     if shorter and any(m > n for m, _ in fresh):
-        return _between(fresh, n)  # between two passes measured lately: no need to explore it
+        return interpolated(fresh, n)  # between two passes measured lately: no need to explore it
     if shorter and n <= 2 * shorter[-1][0]:
         m, t = shorter[-1]
         return t + HOPE_RISE * _flattest_rise(fresh) * (n - m)
@@ -470,7 +470,7 @@ def _flattest_rise(points: list[tuple[int, float]]) -> float:
     return min(((t1 - t0) / (m1 - m0) for (m0, t0), (m1, t1) in zip(points, points[1:])), default=0.0)
 
 
-def _between(points: list[tuple[int, float]], x: float) -> float | None:
+def interpolated(points: list[tuple[int, float]], x: float) -> float | None:
     """Linear interpolation in sorted points, None outside them."""
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
         if x0 <= x <= x1:
