@@ -10,7 +10,8 @@ interleaved per repeat. With τ tokens emitted per pass, speculation at this bat
 τ / ratio(γ + 1) (drafting free, prefill left out). ``--probe-rows N`` checks products for row-invariance only up
 to N rows (``few_rows.PROBE_ROWS``), so longer ones run in pieces of N, each reading the weight again: the
 products as a shallower probe left them (64 before session 30). ``--products`` also times the pass's rows through
-every product of the target alone (each layer's four and the LM head, on random rows, after the passes): what a position beyond the first costs in products and in the rest (attention, norms, the loop).
+every product of the target alone (each layer's four and the LM head, on random rows, after the passes): what a
+position beyond the first costs in products and in the rest (attention, norms, the loop).
 """
 from __future__ import annotations
 

@@ -1154,6 +1154,7 @@ class CostModelPolicy(GammaPolicy):
         self.alpha_by_proposer[proposer] = sums["all"][0] / sums["all"][1]
         self.acceptance_by_proposer[proposer] = Acceptance(*(sums[p][0] / sums[p][1] for p in ("first", "then")))
 
+
 @hookimpl
 def register_policies(register):
     register("fixed", FixedPolicy, "Always draft γ tokens (num_speculative_tokens).")

@@ -282,6 +282,7 @@ def _fmt_goodput(report: dict, c: dict) -> str:
 def _fmt_latency(c: dict) -> str:
     return f"{1e3 * c['token_latency_p50_s']:.1f} / {1e3 * c['token_latency_p99_s']:.1f}"
 
+
 def _fmt_paired(c) -> str:
     pct = lambda r: "–" if r is None else f"{100 * (r - 1):+.1f}%"  # noqa: E731
     return f"{pct(c.get('paired_vs_best_static'))} / {pct(c.get('paired_vs_target_only'))}"

@@ -285,6 +285,7 @@ _PLOTTERS = {  # name: (figure size, what draws it)
     "verify_cost_vs_nodes": ((6, 4), _plot_verify_cost_vs_nodes),
 }
 
+
 def _summary_html(report: dict) -> str:
     rows = "".join(
         f"<tr><td>T = {c['temperature']:g}</td><td>{html.escape(c['workload'])}</td><td><b>{html.escape(c['proposer'])}"
