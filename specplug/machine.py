@@ -84,7 +84,7 @@ def cpu_flags() -> set[str] | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _hardware() -> str:
+def hardware() -> str:
     """The CPU's model name, and the GPUs' where torch sees any (their kernels are chosen per model too)."""
     cpu = platform.processor() or platform.machine()
     info, flags = _cpuinfo(), cpu_flags()
@@ -99,7 +99,7 @@ def _hardware() -> str:
 def fingerprint() -> str:
     """What a cached decision depends on besides what was probed: CPU (and GPUs), torch build and the CPU
     capability it dispatches to, threads, and the settings that steer kernel choice."""
-    cpu = _hardware()
+    cpu = hardware()
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "?")()
     # settings that steer which kernels torch and oneDNN pick
     steering = "".join(f" | {v}={os.environ[v]}" for v in KERNEL_ENV if os.environ.get(v))

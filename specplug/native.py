@@ -36,7 +36,7 @@ def build(source: str) -> tuple[ctypes.CDLL | None, str]:
         text = path.read_text(encoding="utf-8")
     except (OSError, subprocess.SubprocessError) as err:
         return None, f"cannot run {compiler} or read {source}: {err}"
-    key = hashlib.sha256("\n".join([text, " ".join(FLAGS), version, machine._hardware()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([text, " ".join(FLAGS), version, machine.hardware()]).encode()).hexdigest()[:16]
     target = machine.cache_path().parent / "kernels" / f"{path.stem}-{key}.so"
     refused = target.with_suffix(".failed")
     if refused.exists():

@@ -4,8 +4,8 @@
 - a proposer never imports the decode loop (specplug.decode, specplug.batch, any engine module) or another
   proposer;
 - the decode loop never imports a concrete proposer;
-- no module takes another's private names (training reaches proposers through the registry or their public
-  names; the engine's pieces share through public ones).
+- no module takes another's private names, by import or as an attribute of the module (training reaches
+  proposers through the registry or their public names; the engine's pieces share through public ones).
 """
 from __future__ import annotations
 
@@ -49,6 +49,10 @@ def _absolute(module: str, is_package: bool, level: int, target: str | None) -> 
     return ".".join(base + ([target] if target else []))
 
 
+def _from_target(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    return _absolute(module, is_package, node.level, node.module) if node.level else node.module or ""
+
+
 def imports(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
     """The imports of one module, anywhere in it (function-level ones too), as absolute module names.
     ``from pkg import sub`` where ``pkg.sub`` is a module counts as importing ``pkg.sub``."""
@@ -59,9 +63,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> list[Import]:
         if isinstance(node, ast.Import):
             out += [Import(name, alias.name, (), node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            target = node.module or ""
-            if node.level:
-                target = _absolute(name, is_package, node.level, node.module)
+            target = _from_target(name, is_package, node)
             if target == "__future__":
                 continue
             plain = []
@@ -96,7 +98,45 @@ def violations(root: Path = ROOT, packages: dict[str, str] = PACKAGES) -> list[s
             targets = [imp.target] + [_reexports(imp.target, known).get(n, imp.target) for n in imp.names]
             for rule in _broken(name, imp, targets):
                 found.append(f"{name}:{imp.line} imports {imp.target}: {rule}")
+        for line, module, attribute in private_attributes(name, path, known):
+            found.append(f"{name}:{line} reads {module}.{attribute}: a module takes only another's public names")
     return found
+
+
+def private_attributes(name: str, path: Path, known: dict[str, Path]) -> list[tuple[int, str, str]]:
+    """Private names read as attributes of another of the project's modules (``decode._emit()``), the
+    module reached through whatever name an import bound to it: (line, module, name)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    is_package = path.name == "__init__.py"
+    bound = {}  # local name -> the dotted name it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                local = alias.asname or alias.name.split(".")[0]
+                bound[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom):
+            target = _from_target(name, is_package, node)
+            bound.update({alias.asname or alias.name: f"{target}.{alias.name}" for alias in node.names})
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            chain = _dotted(node.value)
+            if chain is None or chain[0] not in bound:
+                continue
+            module = ".".join([bound[chain[0]], *chain[1:]])
+            if module in known and module != name:
+                found.append((node.lineno, module, node.attr))
+    return found
+
+
+def _dotted(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` as ["a", "b", "c"]; None for anything but names joined by dots."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        head = _dotted(node.value)
+        return None if head is None else [*head, node.attr]
+    return None
 
 
 def _broken(name: str, imp: Import, targets: list[str]) -> list[str]:
@@ -189,3 +229,15 @@ def test_a_module_taking_anothers_private_name_is_caught(tmp_path):
                                 "a module takes only another's public names, not _rope",
                                 "specplug.training.heads:1 imports specplug.training.trainer: "
                                 "a module takes only another's public names, not _Clock"]
+
+
+def test_a_module_reading_anothers_private_name_as_an_attribute_is_caught(tmp_path):
+    root = _planted(tmp_path, {"specplug/native.py": "from . import target\nkey = target._hardware()\n",
+                               "specplug/cli.py": "import specplug.target\nx = specplug.target._seen\n",
+                               "specplug/zoo.py": "import specplug.target as t\nx = t.public, t.__name__\n",
+                               "specplug/target.py": "import itertools\n_seen = itertools._grouper\n",
+                               "specplug/training/trainer.py": "from .. import decode as d\nd._emit()\n"})
+    assert sorted(violations(root)) == [
+        "specplug.cli:2 reads specplug.target._seen: a module takes only another's public names",
+        "specplug.native:2 reads specplug.target._hardware: a module takes only another's public names",
+        "specplug.training.trainer:2 reads specplug.decode._emit: a module takes only another's public names"]
