@@ -72,6 +72,7 @@ def probe_rows(width: int = 8192 + 7) -> torch.Tensor:
     x[5, width - 3] = float("nan")
     x[6, 33] = x[6, 7] = 50.0
     x[7] = torch.arange(width, 0, -1, dtype=torch.float32)  # the first element
+    x[8, 21] = float("nan")  # a NaN inside the vector body alone: no tail to find it
     return x
 
 
