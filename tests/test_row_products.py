@@ -43,15 +43,33 @@ def test_kernel_products_agree_with_torchs_to_float32_rounding(out_features, in_
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [44, 45, 46, 47])
-def test_every_row_of_a_kernel_product_is_its_one_row_product(out_features, bias):
-    """The property a verify pass relies on, for every row count (within and across the kernel's blocks of 3
-    rows) and every tail of its blocks of 4 outputs, on inputs that expose any change of summation order."""
-    w, x, b = few_rows.sensitive_inputs(out_features, 131, torch.float32, "cpu", bias)
+@pytest.mark.parametrize("in_features", [131, 136])  # a tail past the 8 lanes, and none
+def test_every_row_of_a_kernel_product_is_its_one_row_product(out_features, in_features, bias):
+    """The property a verify pass relies on, for every row count (within and across the kernel's blocks of 6
+    rows) and every tail of its blocks of 2 outputs, on inputs that expose any change of summation order."""
+    w, x, b = few_rows.sensitive_inputs(out_features, in_features, torch.float32, "cpu", bias)
     x = torch.cat([x, x.flip(0)])
     kernel = _kernel(w, b)
     one = torch.cat([kernel(x[i:i + 1]) for i in range(x.shape[0])])
     for rows in range(1, x.shape[0] + 1):
         assert torch.equal(kernel(x[:rows]), one[:rows]), rows
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_output_adds_its_eight_lane_sums_in_the_documented_order(bias):
+    """((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then the bias, for every row and output of a block:
+    with K = 8 each lane holds one exact product, and lanes that lose different low bits in another order
+    (2^24 + 1 is no float32) tell the orders apart."""
+    g = torch.Generator().manual_seed(5)
+    lanes = torch.tensor([2.0 ** 24, 1.0, -(2.0 ** 24), 3.0, 2.0 ** 23, 1.5, -(2.0 ** 23), 0.75])
+    w = torch.stack([lanes[torch.randperm(8, generator=g)] for _ in range(7)])
+    x = 2.0 ** torch.randint(-2, 3, (13, 8), generator=g).float()  # powers of two: every product exact
+    b = torch.tensor([0.5, -0.25, 1.0, 0.0, -0.0, 2.0, 0.125]) if bias else None
+    a = x[:, None, :] * w[None, :, :]
+    want = ((a[..., 0] + a[..., 1]) + (a[..., 2] + a[..., 3])) + ((a[..., 4] + a[..., 5]) + (a[..., 6] + a[..., 7]))
+    want = want + (0.0 if b is None else b)
+    assert not torch.equal(a.sum(-1) + (0.0 if b is None else b), want)  # the data tells orders apart
+    assert torch.equal(_kernel(w, b)(x), want)
 
 
 def test_a_targets_float32_products_run_through_the_kernel_as_one_product_at_any_row_count():

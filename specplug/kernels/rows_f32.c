@@ -19,9 +19,11 @@
 #include <string.h>
 
 #define LANES 8
-#define BLOCK 3 /* rows that share one pass over a block of weight rows */
-#define OUTS 4  /* weight rows that share each load of x: 3 x 4 accumulators + 4 weight vectors fit 16 registers */
+#define BLOCK 6 /* rows that share one pass over a block of weight rows */
+#define OUTS 2  /* weight rows that share each load of x: 6 x 2 accumulators, 2 weight vectors and x fit AVX2's 16
+                 * registers (3 x 4 left none for x, so every multiply-add read x from memory again) */
 #define LINE 64 /* bytes in a cache line */
+_Static_assert(OUTS == 2, "block_dot's vector finish adds two outputs' lanes at a time");
 
 enum { F32, HALF, BF16 }; /* how the weight is stored */
 
@@ -87,7 +89,7 @@ static inline __attribute__((always_inline)) void block_dot(const int64_t rows, 
                                                              int64_t N, const float *x, const void *w,
                                                              const float *bias, float *out, const char *next,
                                                              const int form) {
-    float acc[OUTS][BLOCK][LANES] __attribute__((aligned(32))) = {{{0}}};
+    float acc[OUTS][BLOCK][LANES] __attribute__((aligned(32)));  /* the lanes' sums, for finish */
     int64_t body = K - K % LANES;
 #if defined(__AVX2__) && defined(__FMA__)
     const int64_t size = form == F32 ? 4 : 2; /* bytes a weight */
@@ -108,10 +110,23 @@ static inline __attribute__((always_inline)) void block_dot(const int64_t rows, 
                 v[j][r] = _mm256_fmadd_ps(xr, wk[j], v[j][r]);
         }
     }
+    if (outs == OUTS && body == K) { /* a row's OUTS sums at once: hadd adds the lane pairs finish adds */
+        const __m256 none = _mm256_setzero_ps();
+        float b[4] = {0}, sums[4];
+        for (int64_t j = 0; j < OUTS; j++) b[j] = bias ? bias[j] : 0.0f;
+        for (int64_t r = 0; r < rows; r++) {
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0][r], v[1][r]), _mm256_hadd_ps(none, none));
+            __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(sums, _mm_add_ps(s, _mm_loadu_ps(b)));
+            memcpy(out + r * N, sums, OUTS * sizeof(float));
+        }
+        return;
+    }
     for (int64_t j = 0; j < outs; j++)
         for (int64_t r = 0; r < rows; r++)
             _mm256_store_ps(acc[j][r], v[j][r]);
 #else
+    memset(acc, 0, sizeof acc);
     for (int64_t k = 0; k < body; k += LANES)
         for (int64_t j = 0; j < outs; j++)
             for (int64_t r = 0; r < rows; r++)
@@ -129,7 +144,10 @@ static inline __attribute__((always_inline)) void block_dot(const int64_t rows, 
     switch (rows) {                             \
         case 1: DOT(1, outs); break;            \
         case 2: DOT(2, outs); break;            \
-        default: DOT(3, outs); break;           \
+        case 3: DOT(3, outs); break;            \
+        case 4: DOT(4, outs); break;            \
+        case 5: DOT(5, outs); break;            \
+        default: DOT(6, outs); break;           \
     }
 
 /* y [M, N] = x [M, K] · w [N, K]ᵀ (+ b [N], or b NULL), w stored as `form` (a constant where inlined); every
@@ -148,12 +166,8 @@ static inline __attribute__((always_inline)) void products(int64_t M, int64_t N,
             float *out = y + m * N + n;
             int64_t rows = M - m < BLOCK ? M - m : BLOCK;
             const char *next = m == 0 && n + 2 * OUTS <= N ? wn + OUTS * K * size : 0;
-            switch (outs) {
-                case 1: FOR_ROWS(1); break;
-                case 2: FOR_ROWS(2); break;
-                case 3: FOR_ROWS(3); break;
-                default: FOR_ROWS(4); break;
-            }
+            if (outs == 1) FOR_ROWS(1)
+            else FOR_ROWS(2)
         }
     }
 }
