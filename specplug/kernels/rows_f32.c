@@ -115,7 +115,7 @@ static inline __attribute__((always_inline)) void block_dot(const int64_t rows, 
         float b[4] = {0}, sums[4];
         for (int64_t j = 0; j < OUTS; j++) b[j] = bias ? bias[j] : 0.0f;
         for (int64_t r = 0; r < rows; r++) {
-            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0][r], v[1][r]), _mm256_hadd_ps(none, none));
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0][r], v[1][r]), none); /* lanes 1-3 and 5-7 unused */
             __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
             _mm_storeu_ps(sums, _mm_add_ps(s, _mm_loadu_ps(b)));
             memcpy(out + r * N, sums, OUTS * sizeof(float));
