@@ -37,12 +37,17 @@ class RandomTreeProposer(specplug.Proposer):
         self.table = torch.softmax(2.0 * torch.randn(vocab, vocab, generator=gen), -1)  # q given the parent token
         self.width, self.without, self.model = width, without_replacement, target and target.model
         self.verdicts = []
+        self._laws: dict[tuple[int, ...], torch.Tensor] = {}  # by context: the harness revisits a few thousand times
 
     def _law(self, context: list[int]) -> torch.Tensor:
         if self.model is None:
             return self.table[context[-1]]
-        with torch.inference_mode():
-            return torch.softmax(self.model(input_ids=torch.tensor([context])).logits[0, -1].float() / 2.0, -1)
+        key = tuple(context)
+        if key not in self._laws:
+            with torch.inference_mode():
+                logits = self.model(input_ids=torch.tensor([context])).logits[0, -1]
+            self._laws[key] = torch.softmax(logits.float() / 2.0, -1)
+        return self._laws[key]
 
     def begin(self, seq):
         seq.scratch[self.name] = torch.Generator().manual_seed(1000 + (seq.sampling.seed or 0))
