@@ -7,7 +7,9 @@ another the ranking reversed). Code that has such a choice names its forms and g
 
 A decision is cached in memory and in ``$SPECPLUG_CACHE_DIR/machine-choices.json`` (default
 ``~/.cache/specplug``), keyed by the machine (CPU model and capability, torch version, thread count) and by what
-was probed (shapes, dtype, device), so later runs skip the probe and keep the same arithmetic. Precedence: an
+was probed (shapes, dtype, device), so later runs skip the probe and keep the same arithmetic. A probe timed
+while other work held the CPUs (its threads waited ``BUSY_SHARE`` of its time or more) decides for this process
+only: cached, it would steer every later run by a spell. Precedence: an
 explicit option of the caller (e.g. ``weights="int8"``) wins, then ``SPECPLUG_CHOICES="name=form,..."`` (a form
 per choice name, for every key), then the cache, then a probe. :func:`machine_choices` lists what this
 process decided and why, for reports (``specplug compare``).
@@ -36,6 +38,9 @@ CACHE_FILE = "machine-choices.json"
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")  # kernel paths
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "CUDA_VISIBLE_DEVICES")
 MIN_BYTES = 1 << 20  # below this much weight a form's speed hardly matters: the default stands, unprobed
+# a probe whose threads waited this share of its time for a CPU held by other work is not cached: starved threads
+# slow a multi-threaded form far more than a one-threaded one (a 2-thread kernel read 45x slower than numpy)
+BUSY_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -197,12 +202,45 @@ def faster(name: str, key: str, forms: dict[str, Callable[[], object]], default:
     cached = _load().get(fingerprint(), {}).get(entry)
     if cached is not None and cached.get("value") in forms:
         return record(name, key, cached["value"], cached.get("why", ""), "cache").value
+    waited, started = run_queue_seconds(), time.perf_counter()
     measured = seconds(forms, repeats)
+    busy = _waiting_share(waited, started)
     best = min(measured, key=measured.get)
     value = default if measured[default] <= measured[best] * (1 + margin) else best
     why = ", ".join(f"{form} {1e6 * s:.0f} µs" for form, s in measured.items())
-    _store(entry, {"value": value, "why": why})
+    if busy >= BUSY_SHARE:
+        why += f"; other work held the CPUs ({busy:.0%} of the probe waiting): decided for this process, not cached"
+    else:
+        _store(entry, {"value": value, "why": why})
     return record(name, key, value, why, "probe").value
+
+
+def run_queue_seconds() -> float | None:
+    """Seconds this process's threads have spent ready to run but waiting for a CPU (Linux's schedstat), or
+    None where the system does not say."""
+    total, read = 0, False
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat", encoding="ascii") as f:
+                total += int(f.read().split()[1])
+            read = True
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total * 1e-9 if read else None
+
+
+def _waiting_share(waited: float | None, started: float) -> float:
+    """The share of the time since ``started`` this process's threads spent waiting for a CPU (0 where unknown);
+    a thread that ended meanwhile takes its wait along, so this can only err towards a quiet machine."""
+    now = run_queue_seconds()
+    elapsed = time.perf_counter() - started
+    if waited is None or now is None or elapsed <= 0:
+        return 0.0
+    return max(0.0, now - waited) / elapsed
 
 
 def kernel_kept(name: str, key: str, refused: str, forms: dict[str, Callable[[], object]], nbytes: int,

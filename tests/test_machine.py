@@ -2,6 +2,7 @@
 cached on disk per machine, pinned by SPECPLUG_CHOICES, beaten by a caller's explicit option, and listed with
 their reasons by machine_choices(). Timings are replaced by fixed numbers: no test asserts how fast anything is."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ def timings(monkeypatch):
         return {name: Fake.table[name] for name in forms}
 
     monkeypatch.setattr(machine, "seconds", seconds)
+    monkeypatch.setattr(machine, "run_queue_seconds", lambda: 0.0)  # a quiet machine unless a test says otherwise
     return Fake
 
 
@@ -54,6 +56,29 @@ def test_a_decision_is_cached_on_disk_per_machine_and_reused_without_a_probe(tim
     machine.forget()
     monkeypatch.setattr(machine, "fingerprint", lambda: "another CPU")  # another machine probes for itself
     assert machine.faster("demo", "k", FORMS, "plain", BIG) == "plain" and timings.probes == 2
+
+
+def test_a_probe_timed_while_other_work_held_the_cpus_decides_for_this_process_but_is_not_cached(timings,
+                                                                                                  monkeypatch):
+    timings.table = {"plain": 1.0, "fancy": 0.5}
+    waited = iter([0.0, 5.0])  # this process's threads waited 5 s for a CPU during the probe
+    monkeypatch.setattr(machine, "run_queue_seconds", lambda: next(waited))
+    assert machine.faster("demo", "k", FORMS, "plain", BIG) == "fancy"
+    choice, = machine_choices_named("demo")
+    assert choice.source == "probe" and "not cached" in choice.why
+    assert not machine.cache_path().exists()
+    machine.forget()  # a new process, on a quiet machine: probes again, and caches that
+    monkeypatch.setattr(machine, "run_queue_seconds", lambda: 0.0)
+    assert machine.faster("demo", "k", FORMS, "plain", BIG) == "fancy" and timings.probes == 2
+    assert json.loads(machine.cache_path().read_text())[machine.fingerprint()]["demo | k"]["value"] == "fancy"
+
+
+def test_run_queue_seconds_reads_this_process_waiting_time_where_linux_reports_it():
+    waited = machine.run_queue_seconds()
+    if not Path("/proc/self/task").is_dir():
+        assert waited is None
+    else:
+        assert isinstance(waited, float) and waited >= 0.0
 
 
 def test_a_probe_turns_the_order_of_its_forms_so_none_always_runs_right_after_another():
