@@ -39,7 +39,7 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_i
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "CUDA_VISIBLE_DEVICES")
 MIN_BYTES = 1 << 20  # below this much weight a form's speed hardly matters: the default stands, unprobed
 # a probe whose threads waited this share of its time for a CPU held by other work is not cached: starved threads
-# slow a multi-threaded form far more than a one-threaded one (a 2-thread kernel read 45x slower than numpy)
+# slow a multi-threaded form far more than a one-threaded one (a 2-thread kernel read 31x slower than numpy)
 BUSY_SHARE = 0.1
 
 
