@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import numbers
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
@@ -138,5 +139,35 @@ def _build(kind: str, available: dict[str, PluginInfo], name: str, options: dict
         try:  # only options the factory's signature does not take are bad options; a TypeError raised
             signature.bind(**options)  # inside the factory is its own error, and keeps its traceback
         except TypeError as exc:
-            raise TypeError(f"{kind} {name!r}: bad options {sorted(options)}: {exc}") from exc
+            raise TypeError(f"{kind} {name!r}: {_unfit(signature, options, exc)}") from exc
+        _check_scalar_options(f"{kind} {name!r}", signature, options)
     return factory(**options)
+
+
+def _unfit(signature: inspect.Signature, options: dict, exc: TypeError) -> str:
+    """What is wrong with ``options`` for a factory: the names it does not take, and those it does."""
+    params = signature.parameters
+    named = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [o for o in options if o not in params]
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return f"bad options {sorted(unknown)}; it takes {', '.join(named) or 'none'}"
+    return f"bad options {sorted(options)}: {exc}"
+
+
+# annotations naming one scalar type: a value of another type (``-o size=abc`` on the command line reads a
+# string) is refused by name here, rather than failing later inside the factory on a comparison
+_SCALARS = {"int": numbers.Integral, "float": numbers.Real, "bool": bool}
+
+
+def _check_scalar_options(culprit: str, signature: inspect.Signature, options: dict) -> None:
+    for key, value in options.items():
+        param = signature.parameters.get(key)
+        annotation = getattr(param, "annotation", None)
+        wanted = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None)
+        kind = _SCALARS.get(wanted)
+        if kind is None:
+            continue
+        fits = isinstance(value, bool) if kind is bool else isinstance(value, kind) and not isinstance(value, bool)
+        if not fits:
+            raise TypeError(f"{culprit}: option {key} takes {'a' if wanted != 'int' else 'an'} {wanted}, "
+                            f"got {value!r}")

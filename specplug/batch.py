@@ -21,7 +21,7 @@ __all__ = ["generate_batch", "BatchedCache", "BatchCacheView"]
 def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[str | Sequence[int]], *,
                    max_new_tokens: int | Sequence[int] = 64,
                    sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                   num_speculative_tokens=4, stop: Sequence[str] = (), strict: bool = False,
+                   num_speculative_tokens=4, stop: str | Sequence[str] = (), strict: bool = False,
                    max_batch_size: int | None = None,
                    callback: Callable[[int, list[int]], None] | None = None,
                    verification: str = "token") -> list[GenerationResult]:

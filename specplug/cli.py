@@ -125,11 +125,25 @@ def _policy(name: str, gamma: int):
     return get_policy(name, **options.get(name, {}))
 
 
-def _numbers(text: str, kind=float) -> list:
+def _numbers(text: str, kind=float, least: float = 0) -> list:
+    """A comma-separated list of ``kind`` values, each >= ``least``."""
     try:
-        return [kind(x) for x in text.split(",") if x.strip()]
+        values = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError as exc:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of numbers") from exc
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of {kind.__name__}s") from exc
+    if not values:
+        raise click.BadParameter(f"{text!r} lists no value")
+    if min(values) < least:
+        raise click.BadParameter(f"each value must be >= {least}, got {min(values)}")
+    return values
+
+
+def _number_list(kind=float, least: float = 0):
+    """A click callback reading a comma-separated option into a list when the command line is parsed, so a
+    bad value is refused before any model loads."""
+    def parse(ctx, param, text):
+        return None if text is None else _numbers(text, kind, least)
+    return parse
 
 
 @main.command()
@@ -143,8 +157,10 @@ def _numbers(text: str, kind=float) -> list:
                    "--requests), since copies of a prompt decode alike and would move in step.")
 @click.option("--samples", default=1, show_default=True, type=click.IntRange(min=1),
               help="Samples per prompt (repeated sampling; 'repeated' uses at least 5).")
-@click.option("--gammas", default="4", show_default=True, help="Comma-separated γ values, e.g. 1,2,4,6,8.")
-@click.option("--temperatures", default="0,1", show_default=True, help="Comma-separated temperatures.")
+@click.option("--gammas", default="4", show_default=True, callback=_number_list(int),
+              help="Comma-separated γ values, e.g. 1,2,4,6,8.")
+@click.option("--temperatures", default="0,1", show_default=True, callback=_number_list(float),
+              help="Comma-separated temperatures.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(min=1),
               help="Times each run is repeated (same work, same seeds): what the intervals and the busy-machine "
@@ -153,7 +169,7 @@ def _numbers(text: str, kind=float) -> list:
               help="Also run another engine on the same target and prompts: hf (Hugging Face's own assisted "
                    "generation) or vllm (vLLM's engine with its matching methods and specplug's model-free "
                    "proposers inside it; pip install 'specplug[vllm]').")
-@click.option("--batch-sizes", default=None, metavar="1,2,4,8,16",
+@click.option("--batch-sizes", default=None, metavar="1,2,4,8,16", callback=_number_list(int, 1),
               help="Load bench instead: goodput and latency per batch size for no speculation, fixed γ and "
                    "the heuristic and cost-model policies, the latter cold (fresh per run) and warm (kept "
                    "across runs, as a server keeps it) (first temperature only).")
@@ -182,27 +198,31 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
         peer_spec = bench.get_peer(peer) if peer else None
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--peer") from exc
-    try:
-        tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype, matmul_dtype=matmul_dtype,
-                                              lean=lean)
-    except (OSError, ValueError) as exc:
-        raise click.ClickException(f"--target {target}: {exc}") from exc
     if n_prompts is None:
         # a load run's requests should be distinct: greedy copies of one prompt are one sequence decoded
         # several times, so their acceptance dips together and a batch looks burstier than real traffic
-        n_prompts = 4 if not batch_sizes else -(-(requests or max(_numbers(batch_sizes, int))) // len(workload_specs))
+        n_prompts = 4 if not batch_sizes else -(-(requests or max(batch_sizes)) // len(workload_specs))
     try:
         specs = [bench.ProposerSpec.parse(s) for s in proposer_specs] or bench.all_proposer_specs()
         workloads = [load(w, n_prompts, samples) for w in workload_specs]
     except (ValueError, ImportError) as exc:
         raise click.ClickException(str(exc)) from exc
-    gamma_list, temp_list = _numbers(gammas, int), _numbers(temperatures, float)
+    known = list_proposers()
+    unknown = [s.label for s in specs if s.name not in known]
+    if unknown:  # a typo is refused before the target loads; a proposer that fails to attach is skipped
+        raise click.BadParameter(f"unknown proposer {', '.join(map(repr, unknown))}; available: "
+                                 f"{', '.join(known)}", param_hint="--proposer")
+    try:
+        tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype, matmul_dtype=matmul_dtype,
+                                              lean=lean)
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"--target {target}: {exc}") from exc
     from rich.console import Console
     from rich.progress import Progress
 
     err = Console(stderr=True)
     if batch_sizes:
-        report = _load_bench(tgt, specs, workloads, _numbers(batch_sizes, int), gamma_list, temp_list[0],
+        report = _load_bench(tgt, specs, workloads, batch_sizes, gammas, temperatures[0],
                              max_new_tokens, repeats, as_json, err, requests, peer)
         if html_path:
             from specplug.bench import load
@@ -211,12 +231,12 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
             err.print(f"report written to {html_path}")
         return
     attached, _ = bench.attachable(tgt, specs)
-    peer_runs = peer_spec.runs_per_prompt(attached, gamma_list) if peer_spec else 0
-    total = bench.count_runs(attached, workloads, gamma_list, temp_list, repeats, peer_runs)
+    peer_runs = peer_spec.runs_per_prompt(attached, gammas) if peer_spec else 0
+    total = bench.count_runs(attached, workloads, gammas, temperatures, repeats, peer_runs)
     with Progress(console=err, transient=True) as bar:
         task = bar.add_task("comparing", total=total)
         try:
-            result = bench.run_compare(tgt, specs, workloads, gammas=gamma_list, temperatures=temp_list,
+            result = bench.run_compare(tgt, specs, workloads, gammas=gammas, temperatures=temperatures,
                                        max_new_tokens=max_new_tokens, repeats=repeats, peer=peer,
                                        progress=lambda n, note: bar.update(task, advance=n, description=note))
         except ImportError as exc:  # --peer vllm without the extra: the message names it

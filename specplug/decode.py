@@ -29,7 +29,7 @@ class StreamChunk:
 
 def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequence[int], *,
                  max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-                 num_speculative_tokens: int | GammaPolicy = 4, stop: Sequence[str] = (), strict: bool = False,
+                 num_speculative_tokens: int | GammaPolicy = 4, stop: str | Sequence[str] = (), strict: bool = False,
                  verification: str = "token") -> Iterator[list[int]]:
     """Yield the tokens emitted by each step; the generator's return value is the GenerationResult.
 
@@ -49,7 +49,7 @@ def decode_steps(target: Target, proposer: Proposer | None, prompt: str | Sequen
 
 def generate(target: Target, proposer: Proposer | None, prompt: str | Sequence[int], *,
              max_new_tokens: int = 64, sampling: SamplingParams | None = None,
-             num_speculative_tokens: int | GammaPolicy = 4, stop: Sequence[str] = (), strict: bool = False,
+             num_speculative_tokens: int | GammaPolicy = 4, stop: str | Sequence[str] = (), strict: bool = False,
              callback: Callable[[list[int]], None] | None = None, verification: str = "token") -> GenerationResult:
     """Decode ``prompt`` with ``target``, drafting with ``proposer`` (None: target-only, same engine).
 

@@ -82,7 +82,7 @@ class GenerationResult:
 
 def prompt_ids(target: Target, prompt: str | Sequence[int]) -> list[int]:
     """The prompt's token ids, checked against the target's vocabulary and positions."""
-    ids = target.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+    ids = target.encode(prompt) if isinstance(prompt, str) else [_whole(t, "prompt token id") for t in prompt]
     if not ids:
         raise ValueError("empty prompt: give at least one token (a string that encodes to nothing is empty too)")
     vocab_size = target.vocab_size  # a property that walks the model: once, not per token
@@ -93,6 +93,16 @@ def prompt_ids(target: Target, prompt: str | Sequence[int]) -> list[int]:
     if limit is not None and len(ids) >= limit:
         raise ValueError(f"prompt has {len(ids)} tokens but target {target.name!r} has only {limit} positions")
     return ids
+
+
+def _whole(value, what: str) -> int:
+    """``value`` as an int (a Python, numpy or 0-d integer tensor one); a float or bool is refused, not truncated."""
+    try:
+        if not isinstance(value, bool):
+            return operator.index(value)
+    except TypeError:
+        pass
+    raise TypeError(f"{what} must be an integer, got {value!r}")
 
 
 def per_row(value, n: int, what: str) -> list:
@@ -171,7 +181,7 @@ class Engine:
     def __init__(self, target: Target, proposer: Proposer | None, prompts: Sequence[str | Sequence[int]], *,
                  max_new_tokens: int | Sequence[int] = 64,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 num_speculative_tokens=4, stop: Sequence[str] = (), strict: bool = False,
+                 num_speculative_tokens=4, stop: str | Sequence[str] = (), strict: bool = False,
                  max_batch_size: int | None = None, verification: str = "token"):
         if verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
@@ -187,9 +197,10 @@ class Engine:
             raise ValueError(f"max_new_tokens must be >= 1, got {min(budgets)}")
         policies = [as_policy(g) for g in per_row(num_speculative_tokens, n, "num_speculative_tokens")]
         ids = [prompt_ids(target, p) for p in prompts]
-        self.cap = max_batch_size or n
+        # None means all at once; 0 is refused, not read as None (it once decoded every row together)
+        self.cap = n if max_batch_size is None else _whole(max_batch_size, "max_batch_size")
         if self.cap < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+            raise ValueError(f"max_batch_size must be >= 1 (or None: all at once), got {max_batch_size!r}")
         self.target, self.proposer, self.strict = target, proposer, strict
         # read once per run (the target's properties walk its modules; a run does not move the model)
         self.device, self.vocab_size = target.device, target.vocab_size

@@ -56,6 +56,7 @@ class HeuristicPolicy(GammaPolicy):
     name = "heuristic"
 
     def __init__(self, gamma: int = 4, max_gamma: int = 16):
+        _require(self.name, gamma=(gamma, 0), max_gamma=(max_gamma, 1))
         self.initial, self.max_gamma = gamma, max_gamma
 
     def begin(self, seq):
@@ -69,6 +70,21 @@ class HeuristicPolicy(GammaPolicy):
             return
         k = seq.scratch.get(self.name, self.initial)
         seq.scratch[self.name] = min(k + 2, self.max_gamma) if accepted == proposed else max(1, k - 1)
+
+
+def _require(policy: str, **ints: tuple[int, int]) -> None:
+    """Each option an int at least its minimum: ``name=(value, minimum)``."""
+    for name, (value, least) in ints.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{policy}: {name} must be an int >= {least}, got {value!r}")
+
+
+def _require_share(policy: str, **shares: tuple[float, bool]) -> None:
+    """Each option a number in (0, 1), or [0, 1] where ``name=(value, True)``."""
+    for name, (value, closed) in shares.items():
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if not number or not (0 <= value <= 1 if closed else 0 < value < 1):
+            raise ValueError(f"{policy}: {name} must lie in {'[0, 1]' if closed else '(0, 1)'}, got {value!r}")
 
 
 REMEASURE_AFTER = 32  # steps at a batch size after which a measured scoring cost counts as stale
@@ -654,6 +670,10 @@ class CostModelPolicy(GammaPolicy):
 
     def __init__(self, max_gamma: int = 8, decay: float = 0.8, prior_alpha: float = 0.6, probe_every: int = 16,
                  costs: MeasuredCosts | None = None, switch_on_margin: float = 0.1, rate_decay: float = 0.95):
+        _require(self.name, max_gamma=(max_gamma, 0), probe_every=(probe_every, 1))
+        _require_share(self.name, decay=(decay, False), rate_decay=(rate_decay, False), prior_alpha=(prior_alpha, True))
+        if not switch_on_margin >= 0:
+            raise ValueError(f"{self.name}: switch_on_margin must be >= 0, got {switch_on_margin!r}")
         self.max_gamma, self.decay, self.prior_alpha, self.probe_every = max_gamma, decay, prior_alpha, probe_every
         self.rate_decay = rate_decay
         self.switch_on_margin = switch_on_margin

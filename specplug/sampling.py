@@ -5,6 +5,7 @@ mean the same processed thing (temperature, top-k, top-p applied; temperature 0 
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import asdict, dataclass
 
 import torch
@@ -30,6 +31,11 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.top_p is None:
             object.__setattr__(self, "top_p", 1.0)
+        _check_type("temperature", self.temperature, numbers.Real)
+        _check_type("top_k", self.top_k, numbers.Integral)
+        _check_type("top_p", self.top_p, numbers.Real)
+        if self.seed is not None:
+            _check_type("seed", self.seed, numbers.Integral)
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -51,6 +57,13 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _check_type(name: str, value, kind: type) -> None:
+    """A clear TypeError for a value of the wrong type (a bool is no number here), not one from a comparison."""
+    if isinstance(value, bool) or not isinstance(value, kind):
+        what = "an integer" if kind is numbers.Integral else "a number"
+        raise TypeError(f"SamplingParams: {name} must be {what}, got {value!r}")
 
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -6,11 +6,22 @@ from typing import Sequence
 from .types import SequenceState
 
 
+def stop_strings(stop: str | Sequence[str]) -> tuple[str, ...]:
+    """``stop`` as a tuple of non-empty strings: one string is one stop string, as in HF and vLLM (iterated,
+    "def" would stop at any of d, e or f)."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise (ValueError if s == "" else TypeError)(
+                f"stop: each stop string must be a non-empty str, got {s!r}")
+    return stops
+
+
 class Stopper:
     """Appends a step's tokens to a sequence, cut where the request ends, and says why it ends."""
 
-    def __init__(self, target, stop: Sequence[str] = ()):
-        self.target, self.stop = target, tuple(stop)
+    def __init__(self, target, stop: str | Sequence[str] = ()):
+        self.target, self.stop = target, stop_strings(stop)
         self.eos = target.eos_token_ids
         self.limit = target.max_positions or 1 << 62
         self.max_stop = max((len(s) for s in self.stop), default=0)

@@ -151,3 +151,80 @@ def test_tokenizers_of_equal_size_but_different_ids_are_refused(tiny_dirs, tmp_p
     target = specplug.Target.from_pretrained(tiny_dirs["target"])
     with pytest.raises(ValueError, match="different ids"):
         specplug.get_proposer("draft-model", target=target, model=draft)
+
+
+def test_a_prompt_id_that_is_not_an_integer_is_refused_not_truncated(tiny_target, decode):
+    with pytest.raises(TypeError, match="prompt token id must be an integer, got 1.5"):
+        decode(tiny_target, None, [1.5, 2])
+    assert decode(tiny_target, None, torch.tensor([1, 2]), max_new_tokens=2).tokens  # integer tensors are ids
+
+
+def test_max_batch_size_zero_is_refused_not_read_as_all_at_once(tiny_target):
+    for bad, error in ((0, ValueError), (-1, ValueError), (2.0, TypeError)):
+        with pytest.raises(error, match="max_batch_size must be"):
+            specplug.generate_batch(tiny_target, None, [[1, 2], [3, 4]], max_new_tokens=2, max_batch_size=bad)
+
+
+def test_one_stop_string_is_one_stop_string_not_its_characters():
+    from types import SimpleNamespace
+
+    from specplug.stopping import Stopper
+    from specplug.types import SequenceState
+
+    letters = SimpleNamespace(eos_token_ids=set(), max_positions=None,
+                              decode=lambda ids: "".join(chr(ord("a") + i) for i in ids))
+    # the output "cafedb": read as characters, "fed" would stop at its "f"; as one string, after "fed"
+    ended = {}
+    for stop in ("fed", ["fed"]):
+        seq = SequenceState(ids=[7], num_prompt=1, sampling=specplug.GREEDY, rng=torch.Generator(), target=letters)
+        ended[str(stop)] = Stopper(letters, stop).emit(seq, [2, 0, 5, 4, 3, 1], remaining=10)
+    assert ended["fed"] == ended["['fed']"] == ([2, 0, 5, 4, 3], "stop")
+
+
+@pytest.mark.parametrize("stop, error", [([""], ValueError), ([3], TypeError), ("", ValueError)])
+def test_an_empty_or_non_string_stop_is_refused(tiny_target, decode, stop, error):
+    with pytest.raises(error, match="stop: each stop string must be a non-empty str"):
+        decode(tiny_target, None, [1, 2, 3], max_new_tokens=2, stop=stop)
+
+
+@pytest.mark.parametrize("option, value", [("temperature", "1"), ("top_k", 2.5), ("top_p", "x"), ("seed", "a"),
+                                           ("top_k", True)])
+def test_sampling_params_of_the_wrong_type_name_the_parameter(option, value):
+    with pytest.raises(TypeError, match=f"SamplingParams: {option} must be"):
+        specplug.SamplingParams(**{option: value})
+
+
+def test_an_unknown_option_names_only_the_unknown_ones_and_what_the_proposer_takes(tiny_target):
+    with pytest.raises(TypeError, match=r"proposer 'ngram': bad options \['colour'\]; it takes target, "
+                                        r"prompt_lookup_min, prompt_lookup_max, q"):
+        specplug.get_proposer("ngram", target=tiny_target, colour="blue")
+
+
+def test_an_option_of_the_wrong_type_is_refused_by_name(tiny_target):
+    with pytest.raises(TypeError, match="proposer 'ngram': option prompt_lookup_max takes an int, got 'abc'"):
+        specplug.get_proposer("ngram", target=tiny_target, prompt_lookup_max="abc")
+    with pytest.raises(TypeError, match="proposer 'suffix': option factor takes a float, got 'big'"):
+        specplug.get_proposer("suffix", target=tiny_target, factor="big")
+    assert specplug.get_proposer("suffix", target=tiny_target, factor=2)  # an int is a float here
+
+
+@pytest.mark.parametrize("options, message", [({"max_gamma": -1}, "max_gamma must be an int >= 0"),
+                                              ({"probe_every": 0}, "probe_every must be an int >= 1"),
+                                              ({"decay": 1.5}, r"decay must lie in \(0, 1\)"),
+                                              ({"prior_alpha": "high"}, r"prior_alpha must lie in \[0, 1\]"),
+                                              ({"switch_on_margin": -0.1}, "switch_on_margin must be >= 0")])
+def test_policy_options_out_of_range_name_the_policy_and_the_option(options, message):
+    from specplug.policies import CostModelPolicy, HeuristicPolicy
+
+    with pytest.raises(ValueError, match=f"cost-model: {message}"):
+        CostModelPolicy(**options)
+    with pytest.raises(ValueError, match="heuristic: gamma must be an int >= 0"):
+        HeuristicPolicy(gamma=-2)
+
+
+def test_a_target_path_that_does_not_exist_says_so(tmp_path):
+    with pytest.raises(OSError, match="does not exist; a local model is a directory"):
+        specplug.Target.from_pretrained(tmp_path / "nowhere")
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+    with pytest.raises(OSError, match="is a file"):
+        specplug.Target.from_pretrained(tmp_path / "weights.safetensors")

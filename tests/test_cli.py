@@ -53,3 +53,19 @@ def test_generate_with_a_policy_records_its_choices(tiny_dirs):
 def test_unknown_policy_is_a_clear_cli_error(tiny_dirs):
     result = invoke("generate", "--target", tiny_dirs["target"], "-p", "ngram", "--policy", "nope", "x")
     assert result.exit_code != 0 and "--policy nope: unknown policy 'nope'" in result.output
+
+
+def test_compare_refuses_an_unknown_proposer_before_loading_the_target(tmp_path):
+    # the target does not exist: the proposer's name is checked first
+    result = invoke("compare", "--target", tmp_path / "nowhere", "-p", "ngram", "-p", "nope", "--html", "")
+    assert result.exit_code != 0 and "unknown proposer 'nope'; available:" in result.output
+
+
+def test_compare_refuses_bad_number_lists_by_option_before_loading_the_target(tmp_path):
+    for option, value, message in (("--batch-sizes", "0,4", "each value must be >= 1, got 0"),
+                                   ("--gammas", "2,-1", "each value must be >= 0, got -1"),
+                                   ("--temperatures", "-1", "each value must be >= 0, got -1.0"),
+                                   ("--gammas", "2.5", "not a comma-separated list of ints"),
+                                   ("--batch-sizes", ",", "lists no value")):
+        result = invoke("compare", "--target", tmp_path / "nowhere", "-p", "ngram", option, value, "--html", "")
+        assert result.exit_code != 0 and option in result.output and message in result.output, result.output

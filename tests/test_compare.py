@@ -24,14 +24,14 @@ def test_tiny_compare_run_yields_schema_json_and_html_with_every_plot(tiny_dirs,
     html = tmp_path / "report.html"
     result = CliRunner().invoke(main, [
         "compare", "--target", str(tiny_dirs["target"]), "-p", f"draft-model:model={tiny_dirs['draft']}",
-        "-p", "ngram", "-p", "no-such-proposer", "-p", "draft-model:model=/nowhere",
+        "-p", "ngram", "-p", "draft-model:model=/nowhere",
         "-w", str(prompts), "--gammas", "1,3", "--temperatures", "0,1", "--max-new-tokens", "12",
         "--json", "--html", str(html)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     schema = json.loads((resources.files("specplug") / "bench" / "compare.schema.json").read_text())
     jsonschema.validate(report, schema)
-    assert {s["proposer"] for s in report["skipped"]} == {"no-such-proposer", "draft-model:model=/nowhere"}
+    assert {s["proposer"] for s in report["skipped"]} == {"draft-model:model=/nowhere"}
     cells = {(c["proposer"].split(":")[0], c["temperature"], c["gamma"]) for c in report["cells"]}
     assert cells == {(p, t, g) for p in ("draft-model", "ngram") for t in (0.0, 1.0) for g in (1, 3)}
     assert all(c["runs"] == 2 * 2 for c in report["cells"])  # 2 prompts, 2 repeats by default
