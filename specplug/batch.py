@@ -7,9 +7,10 @@ emits the tokens it would emit decoded alone (bit for bit where the target's pas
 """
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Sequence
 
-from .engine import Engine, GenerationResult
+from .engine import Engine, GenerationResult, check_callback
 from .rows import BatchCacheView, BatchedCache
 from .sampling import SamplingParams
 from .target import Target
@@ -43,6 +44,11 @@ def generate_batch(target: Target, proposer: Proposer | None, prompts: Sequence[
     ``verification``: "token" or "block" for sampled chain rows (see :func:`specplug.decode.generate`). Rows may
     mix chains and trees (a proposer returning a :class:`~specplug.verifier.TreeProposal`).
     """
+    if isinstance(prompts, str) or (len(prompts) and all(isinstance(p, numbers.Integral) for p in prompts)):
+        one = "a string" if isinstance(prompts, str) else "a list of token ids"
+        raise TypeError(f"prompts must be a list of prompts, got {one}: for one prompt pass [prompt] "
+                        "(or use specplug.generate)")
+    check_callback(callback)
     if not prompts:
         return []
     engine = Engine(target, proposer, prompts, max_new_tokens=max_new_tokens, sampling=sampling,

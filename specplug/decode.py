@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from .detokenize import IncrementalDetokenizer
-from .engine import Engine, GenerationResult, SpeculationError
+from .engine import Engine, GenerationResult, SpeculationError, check_callback
 from .policies import GammaPolicy
 from .sampling import SamplingParams
 from .target import Target
@@ -60,6 +60,7 @@ def generate(target: Target, proposer: Proposer | None, prompt: str | Sequence[i
     sampled chain: exact too, never fewer tokens in expectation; not for trees). ``proposer.propose`` may
     return a :class:`~specplug.verifier.TreeProposal` no deeper than the k asked.
     """
+    check_callback(callback)
     steps = decode_steps(target, proposer, prompt, max_new_tokens=max_new_tokens, sampling=sampling,
                          num_speculative_tokens=num_speculative_tokens, stop=stop, strict=strict,
                          verification=verification)

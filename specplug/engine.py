@@ -82,6 +82,8 @@ class GenerationResult:
 
 def prompt_ids(target: Target, prompt: str | Sequence[int]) -> list[int]:
     """The prompt's token ids, checked against the target's vocabulary and positions."""
+    if not isinstance(prompt, str) and not hasattr(prompt, "__iter__"):
+        raise TypeError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__} {prompt!r}")
     ids = target.encode(prompt) if isinstance(prompt, str) else [_whole(t, "prompt token id") for t in prompt]
     if not ids:
         raise ValueError("empty prompt: give at least one token (a string that encodes to nothing is empty too)")
@@ -103,6 +105,12 @@ def _whole(value, what: str) -> int:
     except TypeError:
         pass
     raise TypeError(f"{what} must be an integer, got {value!r}")
+
+
+def check_callback(callback) -> None:
+    """``callback`` is None or callable: refused before decoding, not after the first step."""
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable (or None), got {type(callback).__name__} {callback!r}")
 
 
 def per_row(value, n: int, what: str) -> list:
@@ -192,6 +200,9 @@ class Engine:
                             f"got {type(proposer).__name__} {proposer!r}"[:200] + hint)
         n = len(prompts)
         samplings = per_row(sampling or SamplingParams(), n, "sampling")
+        wrong = next((s for s in samplings if not isinstance(s, SamplingParams)), None)
+        if wrong is not None:
+            raise TypeError(f"sampling must be a SamplingParams (or one per prompt), got {type(wrong).__name__}")
         budgets = [int(b) for b in per_row(max_new_tokens, n, "max_new_tokens")]
         if any(b < 1 for b in budgets):
             raise ValueError(f"max_new_tokens must be >= 1, got {min(budgets)}")

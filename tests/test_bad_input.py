@@ -228,3 +228,30 @@ def test_a_target_path_that_does_not_exist_says_so(tmp_path):
     (tmp_path / "weights.safetensors").write_bytes(b"")
     with pytest.raises(OSError, match="is a file"):
         specplug.Target.from_pretrained(tmp_path / "weights.safetensors")
+
+
+@pytest.mark.parametrize("prompts, what", [("def f():", "a string"), ([1, 2, 3], "a list of token ids")])
+def test_one_prompt_given_where_a_list_of_prompts_goes_is_refused_not_split(tiny_target, prompts, what):
+    with pytest.raises(TypeError, match=f"prompts must be a list of prompts, got {what}: for one prompt pass"):
+        specplug.generate_batch(tiny_target, None, prompts, max_new_tokens=2)
+
+
+def test_a_prompt_that_is_neither_text_nor_ids_is_a_clear_error(tiny_target, decode):
+    with pytest.raises(TypeError, match="a prompt is a string or a sequence of token ids, got NoneType"):
+        decode(tiny_target, None, None, max_new_tokens=2)
+
+
+def test_sampling_that_is_not_sampling_params_is_a_clear_error(tiny_target, decode):
+    with pytest.raises(TypeError, match="sampling must be a SamplingParams .*got dict"):
+        decode(tiny_target, None, [1, 2], max_new_tokens=2, sampling={"temperature": 0})
+
+
+def test_a_callback_that_cannot_be_called_is_refused_before_decoding(tiny_target):
+    calls = []
+    proposer = Raising()
+    proposer.begin = lambda seq: calls.append("begin")
+    with pytest.raises(TypeError, match="callback must be callable"):
+        specplug.generate(tiny_target, proposer, [1, 2], max_new_tokens=2, callback=3)
+    with pytest.raises(TypeError, match="callback must be callable"):
+        specplug.generate_batch(tiny_target, proposer, [[1, 2]], max_new_tokens=2, callback=3)
+    assert calls == []  # refused before any request began
