@@ -127,7 +127,19 @@ def get_policy(name: str, **options):
     return _build("policy", list_policies(), name, options)
 
 
+def check_proposer_options(name: str, **options) -> None:
+    """Raise what :func:`get_proposer` would raise for ``name`` and ``options`` before building anything: an
+    unknown name, options the factory does not take, a value of the wrong scalar type. Nothing is built (the
+    target need not be loaded yet)."""
+    _factory("proposer", list_proposers(), name, options)
+
+
 def _build(kind: str, available: dict[str, PluginInfo], name: str, options: dict):
+    return _factory(kind, available, name, options)(**options)
+
+
+def _factory(kind: str, available: dict[str, PluginInfo], name: str, options: dict) -> Callable:
+    """The factory registered as ``name``, once ``options`` fit its signature."""
     if name not in available:
         raise UnknownProposerError(f"unknown {kind} {name!r}; available: {', '.join(available) or 'none'}")
     factory = available[name].factory
@@ -141,7 +153,7 @@ def _build(kind: str, available: dict[str, PluginInfo], name: str, options: dict
         except TypeError as exc:
             raise TypeError(f"{kind} {name!r}: {_unfit(signature, options, exc)}") from exc
         _check_scalar_options(f"{kind} {name!r}", signature, options)
-    return factory(**options)
+    return factory
 
 
 def _unfit(signature: inspect.Signature, options: dict, exc: TypeError) -> str:

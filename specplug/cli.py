@@ -7,7 +7,7 @@ import sys
 import click
 
 from specplug.detokenize import IncrementalDetokenizer
-from specplug.plugins import UnknownProposerError, failures, get_proposer, list_proposers
+from specplug.plugins import UnknownProposerError, check_proposer_options, failures, get_proposer, list_proposers
 
 
 matmul_dtype_option = click.option(
@@ -74,6 +74,12 @@ def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_
     _quiet_transformers()
     if prompt in (None, "-"):
         prompt = sys.stdin.read()
+    proposer_options = _parse_options(options)
+    try:
+        if proposer != "none":  # a typo in the name or an option is refused before the target loads
+            check_proposer_options(proposer, target=None, **proposer_options)
+    except (UnknownProposerError, TypeError) as exc:
+        raise click.ClickException(f"--proposer {proposer}: {exc}") from exc
     try:
         tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype, matmul_dtype=matmul_dtype)
     except (OSError, ValueError) as exc:
@@ -81,7 +87,7 @@ def generate(prompt, target, proposer, options, max_new_tokens, num_speculative_
     prop = None
     if proposer != "none":
         try:
-            prop = get_proposer(proposer, target=tgt, **_parse_options(options))
+            prop = get_proposer(proposer, target=tgt, **proposer_options)
         except (UnknownProposerError, TypeError, ValueError, OSError) as exc:
             raise click.ClickException(f"--proposer {proposer}: {exc}") from exc
     sampling = specplug.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -207,11 +213,14 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
         workloads = [load(w, n_prompts, samples) for w in workload_specs]
     except (ValueError, ImportError) as exc:
         raise click.ClickException(str(exc)) from exc
-    known = list_proposers()
-    unknown = [s.label for s in specs if s.name not in known]
-    if unknown:  # a typo is refused before the target loads; a proposer that fails to attach is skipped
-        raise click.BadParameter(f"unknown proposer {', '.join(map(repr, unknown))}; available: "
-                                 f"{', '.join(known)}", param_hint="--proposer")
+    named = specs if proposer_specs else []  # the default, every registered proposer, holds no typo
+    for spec in named:
+        # a typo (a name, an option) is refused before the target loads; a proposer that fails to attach to
+        # the target is skipped with its reason
+        try:
+            check_proposer_options(spec.name, target=None, **spec.options)
+        except (UnknownProposerError, TypeError) as exc:
+            raise click.BadParameter(str(exc), param_hint=f"--proposer {spec.label}") from exc
     try:
         tgt = specplug.Target.from_pretrained(target, device=device, dtype=dtype, matmul_dtype=matmul_dtype,
                                               lean=lean)

@@ -38,6 +38,12 @@ def test_unknown_proposer_is_a_clear_cli_error(tiny_dirs):
     assert result.exit_code != 0 and "--proposer nope: unknown proposer 'nope'; available:" in result.output
 
 
+def test_generate_refuses_a_proposer_option_typo_before_loading_the_target(tmp_path):
+    result = invoke("generate", "--target", tmp_path / "nowhere", "-p", "ngram", "-o", "prompt_lookup_max=abc", "x")
+    assert result.exit_code != 0 and "--target" not in result.output
+    assert "--proposer ngram: proposer 'ngram': option prompt_lookup_max takes an int, got 'abc'" in result.output
+
+
 def test_missing_target_is_a_clear_cli_error(tmp_path):
     result = invoke("generate", "--target", tmp_path / "nowhere", "x")
     assert result.exit_code != 0 and "--target" in result.output
@@ -55,10 +61,13 @@ def test_unknown_policy_is_a_clear_cli_error(tiny_dirs):
     assert result.exit_code != 0 and "--policy nope: unknown policy 'nope'" in result.output
 
 
-def test_compare_refuses_an_unknown_proposer_before_loading_the_target(tmp_path):
+def test_compare_refuses_an_unknown_proposer_or_option_before_loading_the_target(tmp_path):
     # the target does not exist: the proposer's name is checked first
     result = invoke("compare", "--target", tmp_path / "nowhere", "-p", "ngram", "-p", "nope", "--html", "")
     assert result.exit_code != 0 and "unknown proposer 'nope'; available:" in result.output
+    result = invoke("compare", "--target", tmp_path / "nowhere", "-p", "ngram:colour=1", "--html", "")
+    assert result.exit_code != 0 and "--proposer ngram:colour=1" in result.output
+    assert "bad options ['colour']; it takes" in result.output
 
 
 def test_compare_refuses_bad_number_lists_by_option_before_loading_the_target(tmp_path):
