@@ -30,9 +30,11 @@ Children = Callable[[Hashable], Iterable[tuple[int, float, Hashable]]]
 
 
 def tree_budget(tree: object, who: str) -> int:
-    """The ``tree`` option checked: a node budget >= 0 (0: draft a chain)."""
+    """The ``tree`` option checked: a node budget >= 0 (0: draft a chain); a wrong type is a TypeError, as the
+    registry raises for it."""
     if isinstance(tree, bool) or not isinstance(tree, int) or tree < 0:
-        raise ValueError(f"{who}: tree must be a node budget (an int >= 0; 0 drafts a chain), got {tree!r}")
+        error = ValueError if isinstance(tree, int) and not isinstance(tree, bool) else TypeError
+        raise error(f"{who}: tree must be a node budget (an int >= 0; 0 drafts a chain), got {tree!r}")
     return tree
 
 

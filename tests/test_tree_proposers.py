@@ -92,8 +92,8 @@ def test_every_branch_is_honest_about_q(name, sampling, small_target):
 
 @pytest.mark.parametrize("name", TREE_PROPOSERS)
 def test_a_bad_budget_is_an_error_naming_the_proposer(name, small_target):
-    for bad in (-1, 2.5, "8"):
-        with pytest.raises(ValueError, match=name):
+    for bad, error in ((-1, ValueError), (2.5, TypeError), ("8", TypeError), (True, TypeError)):
+        with pytest.raises(error, match=name):
             make(name, small_target, tree=bad)
 
 
