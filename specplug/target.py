@@ -31,19 +31,25 @@ class Scores:
     features: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def load_causal_lm(path_or_id: str | os.PathLike, *, device="cpu", dtype=None, trust_remote_code: bool = False):
-    """Load an HF causal LM from safetensors only (a pickled .bin is refused) and put it in eval mode."""
-    from transformers import AutoModelForCausalLM
-
+def _model_location(path_or_id: str | os.PathLike) -> tuple[str | os.PathLike, bool]:
+    """(``path_or_id`` with ``~`` expanded, whether it is a local directory). Something that reads as a path
+    but is no directory is refused saying so, not with the hub's rules for repo ids ('org/name')."""
     text = str(path_or_id)
     if text.startswith("~"):
         path_or_id = text = str(Path(text).expanduser())
     local = Path(path_or_id).is_dir()
     if not local and (Path(text).exists() or text.startswith(("/", ".")) or text.count("/") > 1):
-        # a path, not a hub id ('org/name'): say so, not the hub's rules for repo ids
         found = "is a file" if Path(text).exists() else "does not exist"
         raise OSError(f"{text!r} {found}; a local model is a directory holding config.json and *.safetensors "
                       "(a hub id reads 'org/name')")
+    return path_or_id, local
+
+
+def load_causal_lm(path_or_id: str | os.PathLike, *, device="cpu", dtype=None, trust_remote_code: bool = False):
+    """Load an HF causal LM from safetensors only (a pickled .bin is refused) and put it in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    path_or_id, local = _model_location(path_or_id)
     if local and not any(Path(path_or_id).glob("*.safetensors")):
         if any(Path(path_or_id).glob("*.bin")) or any(Path(path_or_id).glob("*.pt")):
             raise ValueError(f"{path_or_id}: only pickled weights (.bin/.pt) found; specplug loads safetensors "
@@ -61,15 +67,7 @@ def load_tokenizer(path_or_id: str | os.PathLike, *, trust_remote_code: bool = F
     """The model's tokenizer, or None when the directory has none (prompts must then be token ids)."""
     from transformers import AutoTokenizer
 
-    text = str(path_or_id)
-    if text.startswith("~"):
-        path_or_id = text = str(Path(text).expanduser())
-    local = Path(path_or_id).is_dir()
-    if not local and (Path(text).exists() or text.startswith(("/", ".")) or text.count("/") > 1):
-        # a path, not a hub id ('org/name'): say so, not the hub's rules for repo ids
-        found = "is a file" if Path(text).exists() else "does not exist"
-        raise OSError(f"{text!r} {found}; a local model is a directory holding config.json and *.safetensors "
-                      "(a hub id reads 'org/name')")
+    path_or_id, local = _model_location(path_or_id)
     if local and not any((Path(path_or_id) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     return AutoTokenizer.from_pretrained(str(path_or_id), trust_remote_code=trust_remote_code,
