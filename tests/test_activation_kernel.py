@@ -43,7 +43,10 @@ def test_every_path_of_a_lean_layer_takes_its_one_activation_form(tiny_dirs):
     from specplug import Target
     target = Target.from_pretrained(tiny_dirs["target"])
     layer = target.lean.layers[0]
-    choices = [c for c in machine.machine_choices() if c.name == activation_kernel.CHOICE]
+    w = layer.norm_in.weight
+    # other models this process loaded earlier have their own sizes' choices: take this layer's
+    key = f"{layer.inter} {str(w.dtype).removeprefix('torch.')} {w.device.type}"
+    choices = [c for c in machine.machine_choices() if c.name == activation_kernel.CHOICE and c.key == key]
     assert choices, "the activation form a lean layer runs is listed among the machine's choices"
     assert (layer.act_kernel is not None) == (choices[-1].value == activation_kernel.KERNEL)
     gate_up = torch.randn(3, 2 * layer.inter)

@@ -69,10 +69,14 @@ def test_attention_kernel_scores_each_query_as_it_would_alone():
 def test_lean_layers_run_the_kernel_or_say_why_not(tiny_dirs):
     from specplug import Target
     target = Target.from_pretrained(tiny_dirs["target"])
-    choices = [c for c in machine.machine_choices() if c.name == attention_kernel.CHOICE]
+    layer = target.lean.layers[0]
+    # other models this process loaded earlier have their own shapes' choices: take this layer's
+    w = layer.norm_in.weight
+    key = f"{layer.heads}x{layer.kv_heads}x{layer.head_dim} {w.dtype} {w.device.type}"
+    choices = [c for c in machine.machine_choices() if c.name == attention_kernel.CHOICE and c.key == key]
     assert choices, "the attention form a lean layer runs is listed among the machine's choices"
     lib, reason = attention_kernel.load()
-    uses_kernel = target.lean.layers[0].kernel is not None
+    uses_kernel = layer.kernel is not None
     assert uses_kernel == (lib is not None and choices[-1].value == attention_kernel.KERNEL)
 
 

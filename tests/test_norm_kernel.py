@@ -42,7 +42,10 @@ def test_norm_kernel_normalises_each_row_as_it_would_alone():
 def test_lean_layers_run_the_norm_kernel_or_say_why_not(tiny_dirs):
     from specplug import Target
     target = Target.from_pretrained(tiny_dirs["target"])
-    choices = [c for c in machine.machine_choices() if c.name == norm_kernel.CHOICE]
+    w = target.lean.layers[0].norm_in.weight
+    # other models this process loaded earlier have their own sizes' choices: take this layer's
+    key = f"{w.numel()} {str(w.dtype).removeprefix('torch.')} {w.device.type}"
+    choices = [c for c in machine.machine_choices() if c.name == norm_kernel.CHOICE and c.key == key]
     assert choices, "the norm form a lean layer runs is listed among the machine's choices"
     uses_kernel = target.lean.layers[0].norm_in.kernel is not None
     assert uses_kernel == (norm_kernel.load()[0] is not None and choices[-1].value == norm_kernel.KERNEL)
