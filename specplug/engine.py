@@ -203,9 +203,11 @@ class Engine:
         wrong = next((s for s in samplings if not isinstance(s, SamplingParams)), None)
         if wrong is not None:
             raise TypeError(f"sampling must be a SamplingParams (or one per prompt), got {type(wrong).__name__}")
-        budgets = [int(b) for b in per_row(max_new_tokens, n, "max_new_tokens")]
+        budgets = [_whole(b, "max_new_tokens") for b in per_row(max_new_tokens, n, "max_new_tokens")]
         if any(b < 1 for b in budgets):
             raise ValueError(f"max_new_tokens must be >= 1, got {min(budgets)}")
+        if not isinstance(strict, bool):  # "no" is truthy: it would have made every fallback an error
+            raise TypeError(f"strict must be True or False, got {strict!r}")
         policies = [as_policy(g) for g in per_row(num_speculative_tokens, n, "num_speculative_tokens")]
         ids = [prompt_ids(target, p) for p in prompts]
         # None means all at once; 0 is refused, not read as None (it once decoded every row together)

@@ -255,3 +255,15 @@ def test_a_callback_that_cannot_be_called_is_refused_before_decoding(tiny_target
     with pytest.raises(TypeError, match="callback must be callable"):
         specplug.generate_batch(tiny_target, proposer, [[1, 2]], max_new_tokens=2, callback=3)
     assert calls == []  # refused before any request began
+
+
+@pytest.mark.parametrize("bad", [2.5, "8", True])
+def test_a_max_new_tokens_that_is_not_an_integer_is_refused_not_truncated(tiny_target, decode, bad):
+    with pytest.raises(TypeError, match="max_new_tokens must be an integer"):
+        decode(tiny_target, None, [1, 2, 3], max_new_tokens=bad)
+
+
+@pytest.mark.parametrize("bad", ["no", 0, None])
+def test_strict_must_be_a_bool_not_any_truthy_value(tiny_target, decode, bad):
+    with pytest.raises(TypeError, match="strict must be True or False"):
+        decode(tiny_target, None, [1, 2, 3], max_new_tokens=2, strict=bad)
