@@ -2,6 +2,7 @@
 
     python benchmarks/greedy_equality.py [--prompts 16] [--tokens 128] [--batch-sizes 1,2,4,8,16]
                                          [--proposers target-only,draft-model,eagle] [--policy cost-model]
+                                         [--no-lean]
 
 The reference is ``generate(target, None, prompt)`` per prompt; each variant (target-only, or a proposer under
 ``--policy``) decodes all prompts with ``generate_batch(max_batch_size=B)``. Prints one line per variant and B:
@@ -34,8 +35,9 @@ def main() -> int:
     ap.add_argument("--batch-sizes", default="1,2,4,8,16")
     ap.add_argument("--proposers", default="target-only,draft-model,eagle")
     ap.add_argument("--policy", default="cost-model", help="γ policy of the speculative variants (or an int γ)")
+    ap.add_argument("--no-lean", action="store_true", help="HF's padded forward instead of the lean rows")
     args = ap.parse_args()
-    target = specplug.Target.from_pretrained(args.target)
+    target = specplug.Target.from_pretrained(args.target, lean=not args.no_lean)
     print(f"target {target.name}: bit identity {target.bit_identity}; {target.lean_note}")
     prompts = humaneval_prompts(args.prompts)
     want = [specplug.generate(target, None, p, max_new_tokens=args.tokens, sampling=specplug.GREEDY).tokens

@@ -100,6 +100,12 @@ def auto_matmul_dtype(model: torch.nn.Module, *, bundled: bool) -> torch.dtype |
     return torch.bfloat16 if rows(torch.bfloat16) >= 2 or rows(torch.float32) < 2 else None
 
 
+_PROBE_FED = 9  # the probe scores [last, x1..x8]
+# the prompt lengths of the probe's batched passes, one pass per layout: ragged, as real prompts are. A padded
+# forward can round by its batch's shape, and short prompts of near-equal length hid that (HF's forward, bf16)
+_PROBE_LAYOUTS = ((6, 7, 8, 9), (17, 50, 93, 130), (6, 45, 100, 160))
+
+
 class Target:
     """The model whose distribution the output follows. Device-agnostic: tensors follow the model."""
 
@@ -176,31 +182,41 @@ class Target:
     # --- which product path keeps verify passes equal to one-token steps ---------------------------------------
     def probe_bit_identity(self, rows: int = 16) -> dict[str, bool]:
         """Whether scoring ``[last, x1..x8]`` in one pass gives each position the very logits (bit for bit) that
-        feeding the tokens one at a time gives: ``"single"`` for one sequence, ``"batched"`` for ``rows`` rows
-        of one pass, each scoring 1..9 tokens (the products then run over ~5 × rows rows)."""
+        feeding the tokens one at a time to that sequence alone gives: ``"single"`` for one sequence,
+        ``"batched"`` for passes of ``rows`` rows, each row scoring 1..9 tokens after a prompt of its own length
+        (the products then run over ~5 × rows rows, and a padded forward pads the shorter rows)."""
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, self.vocab_size, (14,), generator=gen).tolist()
-        prompt, fed = ids[:6], ids[5:]
+        room = (self.max_positions or 1 << 62) - _PROBE_FED
+        layouts = [[min(layout[b % len(layout)], room) for b in range(rows)] for layout in _PROBE_LAYOUTS]
+        ids = torch.randint(0, self.vocab_size, (max(map(max, layouts)) + _PROBE_FED,), generator=gen).tolist()
+        want = {n: self._one_token_steps(ids[:n], ids[n - 1:n - 1 + _PROBE_FED]) for n in {6}.union(*layouts)}
+        one = self.new_rows()
+        one.add([ids[:6]])
+        found = {"single": torch.equal(one.score([ids[5:5 + _PROBE_FED]]).logits, want[6])}
+        counts = [1 + (3 * b) % _PROBE_FED for b in range(rows)]
+        found["batched"] = True
+        for lengths in layouts:
+            many = self.new_rows()
+            try:
+                many.add([ids[:n] for n in lengths])
+                scores = many.score([ids[n - 1:n - 1 + c] for n, c in zip(lengths, counts)])
+            except NotImplementedError:  # a fallback that cannot batch this model at all
+                found["batched"] = False
+                break
+            found["batched"] &= all(torch.equal(scores.logits[scores.span(b)], want[n][:c])
+                                    for b, (n, c) in enumerate(zip(lengths, counts)))
+        return found
+
+    def _one_token_steps(self, prompt: list[int], fed: list[int]) -> torch.Tensor:
+        """The logits [len(fed), V] of feeding ``fed`` one token at a time after ``prompt`` (its last token is
+        ``fed[0]``), one sequence alone: what target-only decoding computes."""
         steps = self.new_rows()
         steps.add([prompt])
         want = []
         for i, token in enumerate(fed):
             want.append(steps.score([[token]]).logits[0])
             steps.keep([len(prompt) + i])
-        want = torch.stack(want)
-        one = self.new_rows()
-        one.add([prompt])
-        found = {"single": torch.equal(one.score([fed]).logits, want)}
-        counts = [1 + (3 * b) % len(fed) for b in range(rows)]
-        many = self.new_rows()
-        try:
-            many.add([prompt] * rows)
-            scores = many.score([fed[:n] for n in counts])
-        except NotImplementedError:  # a fallback that cannot batch this model at all
-            found["batched"] = False
-        else:
-            found["batched"] = all(torch.equal(scores.logits[scores.span(b)], want[:n]) for b, n in enumerate(counts))
-        return found
+        return torch.stack(want)
 
     def _choose_products(self) -> None:
         """Probe the product path in force; where narrower products fail and float32 ones pass (or pass for

@@ -391,6 +391,33 @@ def test_where_no_path_is_bit_identical_the_target_says_so_and_keeps_its_product
     assert "batched verify passes not bit-identical to one-token steps" in target.lean_note
 
 
+class ShorterRowsRoundOff:
+    """Target rows whose shorter-prompt rows come out a rounding off in a batch: what a padded forward can do
+    (HF's pads them, and a different reduction length may round differently)."""
+
+    def __init__(self, rows):
+        self.rows, self.lengths = rows, []
+
+    def add(self, prompts, features=()):
+        self.lengths += [len(p) for p in prompts]
+        return self.rows.add(prompts, features)
+
+    def score(self, fed, features=(), trees=None):
+        scores = self.rows.score(fed, features, trees)
+        shorter = torch.tensor([n < max(self.lengths) for n, c in zip(self.lengths, scores.counts) for _ in range(c)])
+        scores.logits = scores.logits + 1e-3 * shorter[:, None]
+        return scores
+
+    def keep(self, lengths, kept=None):
+        self.rows.keep(lengths, kept)
+
+
+def test_the_probe_checks_rows_of_different_lengths_each_against_that_sequence_alone(tiny_target, monkeypatch):
+    new_rows = specplug.Target.new_rows
+    monkeypatch.setattr(specplug.Target, "new_rows", lambda self: ShorterRowsRoundOff(new_rows(self)))
+    assert tiny_target.probe_bit_identity(rows=4)["batched"] is False
+
+
 def test_the_probe_compares_a_verify_pass_with_one_token_steps(tiny_target):
     found = tiny_target.probe_bit_identity(rows=3)
     assert set(found) == {"single", "batched"} and all(isinstance(v, bool) for v in found.values())
