@@ -110,6 +110,8 @@ CATCH_UP_SHARE = 1 / 32
 PROPOSER_DECAY = 0.95  # weight of older steps in a proposer's running rates (across its requests)
 REACH_RELAX = 0.99  # per step, a depth the policy did not ask for moves its reach this much less from 1
 THEN_RELAX = 0.9  # per one-token draft, a later-token rate below the first-token rate keeps this much of the gap
+# per step with speculation off, a row's first-token rate keeps this much of its gap to its proposer's running rate
+OFF_RELAX = 0.95
 LINE_DECAY = 0.95  # weight of older drafting steps in the fixed + per-pass fit (slower than α's: k must vary)
 
 
@@ -911,6 +913,8 @@ class CostModelPolicy(GammaPolicy):
     def _choose(self, seq, max_k):
         state = self._state(seq)
         batch_size = seq.scratch.get("batch_size", 1)
+        if state.get("k", 1) == 0:
+            self._relax_while_off([seq], batch_size)
         k, measuring = self._one_request(self._acceptance(seq), max_k, batch_size, state.get("k", 1) == 0)
         can_probe = k == 0 and self._could_pay([max_k], batch_size)
         k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, can_probe)
@@ -985,6 +989,8 @@ class CostModelPolicy(GammaPolicy):
 
     def _choose_batch(self, seqs, max_ks):
         self._weigh_probe()
+        if self._batch_k == 0:
+            self._relax_while_off(seqs, len(seqs))
         acceptances = [self._acceptance(s) for s in seqs]
         tree = bool(seqs[0].scratch.get("max_node_budget"))
         k, trimmed = self._best(acceptances, list(max_ks), len(seqs), self._batch_k == 0, trim=not tree)
@@ -1012,6 +1018,21 @@ class CostModelPolicy(GammaPolicy):
             ks = trimmed if trimmed is not None else [min(k, m) for m in max_ks]
         self._keep_choice(seqs, ks, not (self._probing or tree))
         return self._with_budget(seqs, max_ks, len(seqs), ks, self._probing) if tree else ks
+
+    def _relax_while_off(self, seqs, batch_size: int) -> None:
+        """With speculation off nothing measures a row's acceptance while the text moves on (``ngram``'s first
+        tokens are rejected in runs, then a repeated stretch of code accepts whole drafts): each step off moves
+        the row's first-token rate 1 − OFF_RELAX of the way to its proposer's running rate, its weight
+        unchanged. A row that went off on a bad stretch drafts again once the proposer's usual rate would pay,
+        instead of waiting for a probe that lands in a good stretch (docs/policies.md, session 47). Only where
+        every drafter catching up was measured cheap (:meth:`_measure_from_off`): a model drafter's switch back
+        on costs a catch-up in every row, which only measured acceptance may buy ("Off means off")."""
+        if not self._measure_from_off(batch_size):
+            return
+        for seq in seqs:
+            running = self.acceptance_by_proposer.get(seq.scratch.get("proposer", ""))
+            if running is not None:
+                _relax(self._state(seq)["first"], running.first, OFF_RELAX)
 
     def _trimmed(self, rows: list[tuple[list[float], list[float]]], ks: list[int], rate: float, batch_size: int,
                  scoring: tuple[float | None, ...]) -> list[int]:

@@ -427,6 +427,32 @@ def test_both_acceptance_rates_age_over_the_steps_that_did_not_ask(tiny_target):
     assert state["then"][1] == pytest.approx(0.95 * 0.95 ** 30 * weights[1] + 3)
 
 
+def off_on_a_bad_stretch(target):
+    """A row whose first drafts were rejected (first-token rate 0.05: speculation off) of a proposer that usually
+    does well (running rates 0.8 / 0.9); no probe is due."""
+    seq = seq_state(target)
+    seq.scratch["policy:cost-model"] = {"successes": 0.05, "trials": 1.0, "first": [0.05, 1.0], "then": [0.9, 1.0],
+                                        "idle": 0, "wait": 1000, "k": 0}
+    return seq
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_row_switched_off_on_a_bad_stretch_drafts_again_once_its_proposers_usual_rate_would_pay(tiny_target,
+                                                                                                  batched):
+    policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=1000)
+    policy.acceptance_by_proposer[""] = Acceptance(0.8, 0.9)
+    policy._catch_up = 0.0001  # a drafter that catches up cheaply (ngram): switching on repays nothing
+    if batched:
+        rows = [off_on_a_bad_stretch(tiny_target) for _ in range(2)]
+        chosen = [max(policy.choose_batch(rows, [4, 4])) for _ in range(40)]
+    else:
+        row = off_on_a_bad_stretch(tiny_target)
+        chosen = [policy.choose(row, 4) for _ in range(40)]
+    assert chosen[0] == 0
+    assert any(chosen), "off for good: nothing measured the row again"
+    assert policy._acceptance((rows if batched else [row])[0]).first < 0.8  # moved towards it, not set to it
+
+
 def test_cost_model_switches_back_on_only_for_a_clear_gain(tiny_target):
     # α = 0.2 with ControlledCosts: drafting one token is predicted 5% faster than not drafting
     policy = CostModelPolicy(max_gamma=4, costs=ControlledCosts(), probe_every=1000)
