@@ -913,9 +913,10 @@ class CostModelPolicy(GammaPolicy):
     def _choose(self, seq, max_k):
         state = self._state(seq)
         batch_size = seq.scratch.get("batch_size", 1)
-        if state.get("k", 1) == 0:
+        off = state.get("k", 1) == 0
+        if off:
             self._relax_while_off([seq], batch_size)
-        k, measuring = self._one_request(self._acceptance(seq), max_k, batch_size, state.get("k", 1) == 0)
+        k, measuring = self._one_request(self._acceptance(seq), max_k, batch_size, off)
         can_probe = k == 0 and self._could_pay([max_k], batch_size)
         k, state["idle"], state["wait"] = self._probe(state["idle"], state["wait"], k, can_probe)
         state["probing"] = can_probe and k > 0

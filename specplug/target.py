@@ -101,6 +101,7 @@ def auto_matmul_dtype(model: torch.nn.Module, *, bundled: bool) -> torch.dtype |
 
 
 _PROBE_FED = 9  # the probe scores [last, x1..x8]
+_PROBE_PROMPT = 6  # the single-sequence probe's prompt length
 # the prompt lengths of the probe's batched passes, one pass per layout: ragged, as real prompts are. A padded
 # forward can round by its batch's shape, and short prompts of near-equal length hid that (HF's forward, bf16)
 _PROBE_LAYOUTS = ((6, 7, 8, 9), (17, 50, 93, 130), (6, 45, 100, 160))
@@ -189,10 +190,11 @@ class Target:
         room = (self.max_positions or 1 << 62) - _PROBE_FED
         layouts = [[min(layout[b % len(layout)], room) for b in range(rows)] for layout in _PROBE_LAYOUTS]
         ids = torch.randint(0, self.vocab_size, (max(map(max, layouts)) + _PROBE_FED,), generator=gen).tolist()
-        want = {n: self._one_token_steps(ids[:n], ids[n - 1:n - 1 + _PROBE_FED]) for n in {6}.union(*layouts)}
-        one = self.new_rows()
-        one.add([ids[:6]])
-        found = {"single": torch.equal(one.score([ids[5:5 + _PROBE_FED]]).logits, want[6])}
+        want = {n: self._one_token_steps(ids[:n], ids[n - 1:n - 1 + _PROBE_FED])
+                for n in {_PROBE_PROMPT}.union(*layouts)}
+        one, n = self.new_rows(), _PROBE_PROMPT
+        one.add([ids[:n]])
+        found = {"single": torch.equal(one.score([ids[n - 1:n - 1 + _PROBE_FED]]).logits, want[n])}
         counts = [1 + (3 * b) % _PROBE_FED for b in range(rows)]
         found["batched"] = True
         for lengths in layouts:
