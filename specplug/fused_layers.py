@@ -204,8 +204,11 @@ def choose(layer: "LeanLayer") -> FusedLayer | None:
     probe's bit-equality check on every layer), and listed by :func:`specplug.machine.machine_choices`."""
     products = layer.products()
     kinds = "/".join(sorted({type(p.tiles).__name__ for p in products}))
+    # the rows' and the cached values' dtypes too: a refusal for bf16 rows must not keep float32 rows of the
+    # same shapes off the C path (a choice is kept per key for the process)
+    rows = layer.layer.input_layernorm.weight.dtype
     key = (f"{layer.norm_in.shape[0]}x{layer.heads}x{layer.kv_heads}x{layer.head_dim}x{layer.inter} "
-           f"{kinds or 'torch products'}")
+           f"{kinds or 'torch products'} {rows} rows, {layer.value_dtype} values")
     pinned = machine.overrides().get(CHOICE)
     plan, reason = plan_or_reason(layer)
     if plan is None:

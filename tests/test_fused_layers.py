@@ -10,8 +10,8 @@ from specplug import fused_layers, int8_products, machine
 
 @pytest.fixture(autouse=True)
 def _fresh_choices():
-    """Each test decides its forms afresh: choices an earlier test file left in this process (in one xdist worker,
-    after test_eagle_mtp.py) kept the tiny target's layers off the C path, and its checks went unrun."""
+    """Each test decides its forms afresh, so the choices it reads are its own (the refusal test below counts them).
+    Choices an earlier file left in the process once kept the tiny target's layers off the C path: see that test."""
     machine.forget()
     yield
     machine.forget()
@@ -170,3 +170,17 @@ def test_a_single_sequences_short_run_takes_the_c_form_with_the_torch_forms_bits
         forms[name] = [out, cache.k[:, start:cache.length], cache.v[:, start:cache.length]]
     assert forms["C"][0].shape[0] == (keep or count)
     assert all(torch.equal(a, b) for a, b in zip(forms["C"], forms["torch"]))
+
+
+def test_a_refusal_for_bf16_rows_leaves_float32_rows_of_the_same_shapes_their_own_choice(tiny_dirs):
+    """A choice is kept per key for the process: keyed by shapes alone, a bf16 model's refusal ("attention runs in
+    torch's form") kept a later float32-rows model of the same shapes off the C path (the order dependence this
+    file's fixture once hid)."""
+    whole_bf16 = specplug.Target.from_pretrained(tiny_dirs["target"], dtype=torch.bfloat16)
+    assert whole_bf16.lean.layers[0].fused is None  # C layers take float32 rows
+    (refusal,) = [c for c in machine.machine_choices() if c.name == fused_layers.CHOICE]
+    float32_rows = specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype="bfloat16")
+    float32_rows.lean.layers[0].fused
+    (own,) = [c for c in machine.machine_choices() if c.name == fused_layers.CHOICE and c is not refusal]
+    assert "torch.bfloat16 rows" in refusal.key and "torch.float32 rows" in own.key
+    assert own.why != refusal.why
