@@ -4,51 +4,26 @@
                                         [--gammas 2,4,6] [--alphas 1,0.8,0.6] [--repeats 3] [-p suffix:6 ...]
 
 First decodes ``--requests`` held-out HumanEval prompts target-only (greedy), then decodes them again through the
-real engine and verifier with an oracle proposer: at each step it drafts the next γ tokens of that output as a
-point mass, at no drafting cost. With ``--alphas`` below 1 each drafted token is replaced by a wrong one with
-probability 1 − α (seeded), so a draft's tokens are kept as by a drafter of i.i.d. acceptance α. Each oracle run
-follows a target-only run of its own; printed are the median goodput and the median of each variant's ratio to
-the target-only run beside it.
+real engine and verifier with an oracle proposer (:class:`specplug.bench.oracle.OracleProposer`): at each step it
+drafts the next γ tokens of that output as a point mass, at no drafting cost. With ``--alphas`` below 1 each
+drafted token is replaced by a wrong one with probability 1 − α (seeded), so a draft's tokens are kept as by a
+drafter of i.i.d. acceptance α. Each oracle run follows a target-only run of its own; printed are the median
+goodput and the median of each variant's ratio to the target-only run beside it.
 
-Why: a proposer's speed-up is bounded by what one verify pass costs against a plain step at that batch size and
-by the per-run work speculation does not shorten (prefill, a wave's tail). The oracle row at α = 1 is that bound
-for any proposer on this machine, model and workload; the α rows say what acceptance a proposer needs to reach a
+The oracle row at α = 1 is the bound for any proposer on this machine, model and workload (``specplug compare
+--ceiling`` puts it in the load bench's table); the α rows say what acceptance a proposer needs to reach a
 given speed-up; ``-p NAME:γ`` puts a real proposer beside them. Every run's output is checked against
 target-only's (greedy exactness holds for any q).
 """
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
 import specplug
+from specplug.bench.oracle import OracleProposer, greedy_outputs
 from specplug.bench.workloads import humaneval_prompts
-from specplug.types import Proposal, Proposer, SequenceState
-
-
-class OracleProposer(Proposer):
-    """Drafts the next tokens of a known output; with ``alpha`` < 1 each drafted token is wrong with probability
-    1 − alpha (a wrong token is rejected under greedy verification, so drafts are kept as with i.i.d. α)."""
-
-    name = "oracle"
-
-    def __init__(self, outputs: dict[tuple[int, ...], list[int]], vocab_size: int, alpha: float = 1.0,
-                 seed: int = 0):
-        self.outputs, self.vocab_size, self.alpha = outputs, vocab_size, alpha
-        self.rng = random.Random(seed)
-
-    def propose(self, seq: SequenceState, k: int) -> Proposal:
-        known = self.outputs[tuple(seq.ids[:seq.num_prompt])]
-        done = len(seq.ids) - seq.num_prompt
-        draft = [self._maybe_wrong(t) for t in known[done:done + k]]
-        return Proposal.point_mass(draft) if draft else Proposal.empty()
-
-    def _maybe_wrong(self, token: int) -> int:
-        if self.alpha >= 1 or self.rng.random() < self.alpha:
-            return token
-        return (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
 
 
 def decode(target, proposer, prompts: list[str], batch_size: int, tokens: int, gamma: int):
@@ -57,12 +32,6 @@ def decode(target, proposer, prompts: list[str], batch_size: int, tokens: int, g
     results = specplug.generate_batch(target, proposer, prompts, max_new_tokens=tokens, sampling=specplug.GREEDY,
                                       num_speculative_tokens=gamma, max_batch_size=batch_size)
     return results, time.perf_counter() - t0
-
-
-def reference(target, prompts: list[str], tokens: int) -> tuple[list, dict[tuple[int, ...], list[int]]]:
-    """Target-only greedy results for ``prompts``, and each output keyed by its prompt's ids (the oracle's)."""
-    results, _ = decode(target, None, prompts, len(prompts), tokens, 0)
-    return results, {tuple(target.encode(p)): r.tokens for p, r in zip(prompts, results)}
 
 
 def real_variant(spec: str) -> tuple[str, int]:
@@ -87,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     target = specplug.Target.from_pretrained(args.target)
     prompts = humaneval_prompts(args.requests)
-    known, outputs = reference(target, prompts, args.tokens)
+    outputs = greedy_outputs(target, prompts, args.tokens)
     vocab = target.vocab_size
     gammas = [int(g) for g in args.gammas.split(",")]
     alphas = [float(a) for a in args.alphas.split(",")]
@@ -104,12 +73,12 @@ def main() -> None:
             for label, make, gamma in variants:
                 _, base = decode(target, None, prompts, b, args.tokens, 0)  # paired: the pace drifts
                 results, wall = decode(target, make(), prompts, b, args.tokens, gamma)
-                if [r.tokens for r in results] != [r.tokens for r in known]:
+                if [r.tokens for r in results] != [outputs[tuple(target.encode(p))] for p in prompts]:
                     raise SystemExit(f"B = {b}, {label}: output parted from target-only")
                 runs.setdefault("target-only", []).append(base)
                 runs.setdefault(label, []).append(wall)
                 ratios.setdefault(label, []).append(base / wall)
-        made = sum(len(r.tokens) for r in known)
+        made = sum(len(outputs[tuple(target.encode(p))]) for p in prompts)
         print(f"B = {b}:")
         for label, walls in runs.items():
             ratio = statistics.median(ratios.get(label, [1.0]))

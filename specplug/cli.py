@@ -182,6 +182,9 @@ def _number_list(kind=float, least: float = 0):
 @click.option("--requests", type=click.IntRange(min=1), default=None,
               help="Load bench: requests per run (default: the largest batch size). More requests give a longer, "
                    "steadier run per batch size.")
+@click.option("--ceiling", default=None, metavar="2,4,6", callback=_number_list(int, 1),
+              help="Load bench, greedy: also run an oracle drafter at these γ (target-only's own output, drafted at "
+                   "no cost): the most any proposer could reach at each B.")
 @click.option("--html", "html_path", default="report.html", show_default=True, help="HTML report ('' for none).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (schema specplug.compare/1).")
 @click.option("--wide", is_flag=True, help="Print every column (v, tok/s, predictions, latency, ...).")
@@ -191,7 +194,7 @@ def _number_list(kind=float, least: float = 0):
 @click.option("--lean/--no-lean", default=True, show_default=True,
               help="Score on the lean forward where it covers the target; --no-lean: HF's own (padded) forward.")
 def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, temperatures, max_new_tokens,
-            repeats, peer, batch_sizes, requests, html_path, as_json, wide, device, dtype, matmul_dtype,
+            repeats, peer, batch_sizes, requests, ceiling, html_path, as_json, wide, device, dtype, matmul_dtype,
             lean) -> None:
     """Compare proposers side by side against target-only decoding on real workloads."""
     import specplug
@@ -200,6 +203,12 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
     from specplug.bench.workloads import load
 
     _quiet_transformers()
+    if ceiling and not batch_sizes:
+        raise click.BadParameter("the oracle ceiling is a load bench row: give --batch-sizes too",
+                                 param_hint="--ceiling")
+    if ceiling and temperatures[0] != 0:
+        raise click.BadParameter(f"the oracle drafts target-only's greedy output: the load bench's temperature (the "
+                                 f"first of --temperatures) must be 0, got {temperatures[0]:g}", param_hint="--ceiling")
     try:
         peer_spec = bench.get_peer(peer) if peer else None
     except ValueError as exc:
@@ -232,7 +241,7 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
     err = Console(stderr=True)
     if batch_sizes:
         report = _load_bench(tgt, specs, workloads, batch_sizes, gammas, temperatures[0],
-                             max_new_tokens, repeats, as_json, err, requests, peer)
+                             max_new_tokens, repeats, as_json, err, requests, peer, ceiling or ())
         if html_path:
             from specplug.bench import load
 
@@ -263,7 +272,7 @@ def compare(target, proposer_specs, workload_specs, n_prompts, samples, gammas, 
 
 
 def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_new_tokens, repeats, as_json, err,
-                requests=None, peer=None):
+                requests=None, peer=None, ceiling=()):
     from rich.progress import Progress
 
     from specplug.bench import load
@@ -281,10 +290,11 @@ def _load_bench(target, specs, workloads, batch_sizes, gammas, temperature, max_
     runner = _load_peer(peer, target, attached, gammas, batch_sizes)
     try:
         with Progress(console=err, transient=True) as bar:
-            task = bar.add_task("load", total=load.count_runs(attached, batch_sizes, gammas, policies, repeats))
+            task = bar.add_task("load", total=load.count_runs(attached, batch_sizes, gammas, policies, repeats,
+                                                              ceiling))
             report = load.run_load(target, specs, batch_sizes=batch_sizes, gammas=gammas, policies=policies,
                                    max_new_tokens=max_new_tokens, prompts=prompts, temperature=temperature,
-                                   repeats=repeats, requests=requests, peer=runner,
+                                   repeats=repeats, requests=requests, peer=runner, ceiling=ceiling,
                                    progress=lambda n, note: bar.update(task, advance=n, description=note))
     finally:
         if runner is not None:

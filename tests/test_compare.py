@@ -149,6 +149,31 @@ def test_load_bench_takes_one_prompt_per_request_unless_told(tiny_dirs, tmp_path
     assert prompts_used("-n", "2") == 2
 
 
+def test_the_ceiling_rows_draft_target_onlys_output_and_never_count_as_the_best(tiny_dirs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os\\n"}\n')
+    result = CliRunner().invoke(main, [
+        "compare", "--target", str(tiny_dirs["target"]), "-p", "ngram", "-w", str(prompts), "--gammas", "2",
+        "--temperatures", "0", "--max-new-tokens", "8", "--batch-sizes", "1,2", "--repeats", "1", "--requests", "2",
+        "--ceiling", "3", "--json", "--html", ""], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    oracle = [c for c in report["cells"] if c["variant"] == "oracle γ=3"]
+    assert [c["batch_size"] for c in oracle] == [1, 2] and report["settings"]["ceiling"] == [3]
+    for cell in oracle:  # every drafted token is target-only's own: all kept, and the rows are target-only's
+        assert cell["ceiling"] and cell["acceptance_rate"] == 1.0 and cell["greedy_equal_to_target_only"] is True
+    assert all(best["variant"] != "oracle γ=3" and best["best_static"] != "oracle γ=3"
+               for best in report["best"].values())
+    assert "the most any proposer could reach" in _rendered(report)
+
+
+@pytest.mark.parametrize("extra, message", [(["--temperatures", "1", "--batch-sizes", "1"], "must be 0, got 1"),
+                                            (["--temperatures", "0"], "give --batch-sizes too")])
+def test_a_ceiling_without_a_greedy_load_bench_is_refused_before_loading(extra, message):
+    result = CliRunner().invoke(main, ["compare", "--target", "no/such/model", "--ceiling", "2", *extra])
+    assert result.exit_code == 2 and "--ceiling" in result.output and message in result.output
+
+
 # --- synthetic runs: figures whose truth is known -------------------------------------------------------
 
 STEP = 0.006  # a target-only step, seconds

@@ -16,7 +16,9 @@ does not. Every cell carries its goodput by repeat (``goodput_by_repeat``), so t
 
 Variants: ``target-only`` (γ = 0, the baseline), then for each proposer spec one variant per entry of
 ``gammas`` (an int γ) and one per entry of ``policies`` (label → factory returning a fresh policy object with
-``choose(seq, max_k)`` / ``update(...)``, see :mod:`specplug.batch`).
+``choose(seq, max_k)`` / ``update(...)``, see :mod:`specplug.batch`). With ``ceiling`` (greedy only), one
+``oracle γ=k`` variant per entry: :class:`specplug.bench.oracle.OracleProposer` drafting target-only's own output
+at no cost, the most any proposer could reach at that B; its cells never count as the best.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from specplug.sampling import SamplingParams
 from specplug.target import Target
 
 from .compare import BIT_IDENTITY, ProposerSpec, attachable, target_info
+from .oracle import OracleProposer, greedy_outputs
 from .report import NOT_BIT_IDENTICAL, choice_lines
 
 SCHEMA = "specplug.load/1"
@@ -61,24 +64,28 @@ class Variant:
     gamma: int | None = 0
     policy: Callable[[], object] | None = None
     policy_label: str | None = None
+    oracle: bool = False  # drafts target-only's greedy output (the ceiling), not a proposer's
 
-    def make(self, target: Target):
+    def make(self, target: Target, outputs: Mapping[tuple[int, ...], Sequence[int]] | None = None):
+        """(a fresh proposer, its γ or policy); ``outputs``: target-only's, for an oracle variant."""
+        if self.oracle:
+            return OracleProposer(outputs, target.vocab_size), self.gamma
         proposer = None if self.spec is None else get_proposer(self.spec.name, target=target, **self.spec.options)
         return proposer, (self.policy() if self.policy is not None else self.gamma)
 
 
 def variants(specs: Sequence[ProposerSpec], gammas: Sequence[int],
-             policies: Mapping[str, Callable[[], object]] | None = None) -> list[Variant]:
+             policies: Mapping[str, Callable[[], object]] | None = None, ceiling: Sequence[int] = ()) -> list[Variant]:
     out = [Variant("target-only", None, 0)]
     for spec in specs:
         out += [Variant(f"{spec.label} γ={g}", spec, int(g)) for g in gammas]
         out += [Variant(f"{spec.label} {name}", spec, None, factory, name) for name, factory in (policies or {}).items()]
-    return out
+    return out + [Variant(f"oracle γ={g}", None, int(g), oracle=True) for g in ceiling]
 
 
 def _run(target, variant: Variant, prompts: Sequence[str], B: int, max_new_tokens: int, temperature: float,
-         seed: int, requests: int) -> dict:
-    proposer, gamma = variant.make(target)
+         seed: int, requests: int, outputs: Mapping | None = None) -> dict:
+    proposer, gamma = variant.make(target, outputs)
     rows = [prompts[i % len(prompts)] for i in range(requests)]
     sampling = [SamplingParams(temperature=temperature, seed=seed + i) for i in range(requests)]
     t0 = time.perf_counter()
@@ -107,27 +114,33 @@ def run_load(target: Target, proposer_specs: Sequence[ProposerSpec | str], *,
              policies: Mapping[str, Callable[[], object]] | None = None, max_new_tokens: int = 64,
              prompts: Sequence[str] | None = None, requests: int | None = None, temperature: float = 0.0,
              repeats: int = 3, warmup: bool = True, progress: Callable[[int, str], None] | None = None,
-             peer=None) -> dict:
+             peer=None, ceiling: Sequence[int] = ()) -> dict:
     """Measure goodput and per-token latency per (variant, batch size); return a JSON-able report
     (schema ``specplug.load/1``). ``proposer_specs`` are ProposerSpec or ``name:key=value`` strings.
     ``peer`` (a :class:`specplug.bench.peer_vllm.VLLMPeer`) runs the same requests after all of ours, one engine
-    alive at a time (an idle vLLM engine slows the other cells); its rows go to ``report["peer"]``."""
+    alive at a time (an idle vLLM engine slows the other cells); its rows go to ``report["peer"]``.
+    ``ceiling``: γ values for oracle variants (temperature 0 only: the oracle drafts target-only's greedy output).
+    """
+    if ceiling and temperature != 0:
+        raise ValueError(f"ceiling: the oracle drafts target-only's greedy output, so it needs temperature 0, "
+                         f"got {temperature}")
     specs = [s if isinstance(s, ProposerSpec) else ProposerSpec.parse(s) for s in proposer_specs]
     specs, skipped = attachable(target, specs)
     prompts = list(prompts or DEFAULT_PROMPTS)
-    cells = variants(specs, gammas, policies)
+    cells = variants(specs, gammas, policies, ceiling)
     requests = requests or max(batch_sizes)
+    outputs = greedy_outputs(target, prompts, max_new_tokens) if ceiling else None
     runs: dict[tuple[str, int], list[dict]] = {}
     peer_runs: dict[tuple[str, int, int], list[dict]] = {}
     if warmup:
         for v in cells:
-            _run(target, v, prompts, 2, 4, temperature, 0, 2)
+            _run(target, v, prompts, 2, 4, temperature, 0, 2, outputs)
     for rep in range(repeats):
         for B in batch_sizes:
             order = cells[rep % len(cells):] + cells[: rep % len(cells)]
             for v in order:
                 runs.setdefault((v.label, B), []).append(
-                    _run(target, v, prompts, B, max_new_tokens, temperature, 1000 * rep, requests))
+                    _run(target, v, prompts, B, max_new_tokens, temperature, 1000 * rep, requests, outputs))
                 if progress is not None:
                     progress(1, f"B={B} {v.label}")
     if peer is not None:  # the same requests and seeds as _run's, in the same order, after all of ours
@@ -138,15 +151,16 @@ def run_load(target: Target, proposer_specs: Sequence[ProposerSpec | str], *,
             peer_runs.setdefault((label, g, B), []).append(r)
     report = _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new_tokens, len(prompts),
                      requests, temperature, repeats)
+    report["settings"]["ceiling"] = list(ceiling)
     if peer is not None:
         report["peer"] = peer.load_rows(peer_runs, runs, temperature)
         report["skipped"] += peer.skipped
     return report
 
 
-def count_runs(specs, batch_sizes, gammas, policies, repeats) -> int:
+def count_runs(specs, batch_sizes, gammas, policies, repeats, ceiling: Sequence[int] = ()) -> int:
     """Runs run_load will make (for a progress bar): repeats × batch sizes × variants."""
-    return repeats * len(batch_sizes) * (1 + len(specs) * (len(gammas) + len(policies or {})))
+    return repeats * len(batch_sizes) * (1 + len(specs) * (len(gammas) + len(policies or {})) + len(ceiling))
 
 
 def _median(values):
@@ -174,11 +188,12 @@ def _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new
             entries = runs[(v.label, B)]
             goodput = _median([r["goodput"] for r in entries])
             greedy_equal = None
-            if temperature == 0 and v.spec is not None:
+            if temperature == 0 and (v.spec is not None or v.oracle):
                 greedy_equal = all(r["tokens_by_row"] == b["tokens_by_row"]
                                    for r, b in zip(entries, runs[("target-only", B)]))
             report["cells"].append({
-                "variant": v.label, "proposer": v.spec.label if v.spec else None,
+                "variant": v.label, "proposer": v.spec.label if v.spec else ("oracle" if v.oracle else None),
+                "ceiling": v.oracle,
                 "gamma": v.gamma if v.policy is None else None, "policy": v.policy_label,
                 "batch_size": B, "runs": len(entries), "goodput_tokens_per_s": goodput,
                 # by repeat, in run order: what the paired ratios are medians of, for a reader to check them
@@ -194,7 +209,8 @@ def _report(target, cells, runs, skipped, batch_sizes, gammas, policies, max_new
                 "greedy_equal_to_target_only": greedy_equal,
             })
     for B in batch_sizes:
-        at_b = [c for c in report["cells"] if c["batch_size"] == B and c["goodput_tokens_per_s"]]
+        # the oracle's cells are the ceiling, not a contender: never the best, nor a policy's best static γ
+        at_b = [c for c in report["cells"] if c["batch_size"] == B and c["goodput_tokens_per_s"] and not c["ceiling"]]
         best = max(at_b, key=lambda c: c["goodput_tokens_per_s"], default=None)
         static = [c for c in at_b if c["policy"] is None]
         best_static = max(static, key=lambda c: c["goodput_tokens_per_s"], default=None)
@@ -238,6 +254,9 @@ def render(report: dict, console=None) -> None:
     if any(c.get("greedy_equal_to_target_only") is False for c in report["cells"]):
         table.caption = "≠: greedy tokens differ from target-only's in some row"
     console.print(table)
+    if report["settings"].get("ceiling"):
+        console.print("oracle γ=k: drafts target-only's own output at no cost, the most any proposer could reach "
+                      "at that B (never counted as the best)", highlight=False, markup=False)
     target = report["target"]
     console.print(f"target {target['name']}: {target['matmul_dtype']} products"
                   + (f", HF's forward ({target['lean_note']})" if not target.get("lean") else ", lean forward")
