@@ -107,6 +107,7 @@ def test_load_bench_reports_goodput_per_batch_size_with_policies(tiny_dirs, tmp_
         assert label in text
     page = (tmp_path / "report.html").read_text()
     assert "goodput, tokens/s" in page and "cost-model warm" in page and "Raw report (JSON)" in page
+    assert '<figure id="goodput_vs_batch_size"><img alt="goodput vs batch size" src="data:image/png;base64,' in page
 
 
 def _one_request_load_bench(tiny_dirs, tmp_path) -> dict:
@@ -165,6 +166,24 @@ def test_the_ceiling_rows_draft_target_onlys_output_and_never_count_as_the_best(
     assert all(best["variant"] != "oracle γ=3" and best["best_static"] != "oracle γ=3"
                for best in report["best"].values())
     assert "the most any proposer could reach" in _rendered(report)
+
+
+def test_the_speedup_plot_draws_each_proposers_best_gamma_its_policies_and_the_ceiling():
+    from specplug.bench.load import speedup_curves
+
+    def cell(variant, proposer, B, x, policy=None, ceiling=False):
+        return {"variant": variant, "proposer": proposer, "policy": policy, "batch_size": B,
+                "speedup_vs_target_only": x, "ceiling": ceiling}
+
+    report = {"settings": {"batch_sizes": [1, 4]}, "cells": [
+        cell("target-only", None, 1, 1.0), cell("target-only", None, 4, 1.0),
+        cell("ngram γ=2", "ngram", 1, 1.3), cell("ngram γ=4", "ngram", 1, 1.6), cell("ngram γ=2", "ngram", 4, 1.1),
+        cell("ngram γ=4", "ngram", 4, 0.9), cell("ngram cost-model", "ngram", 1, 1.5, policy="cost-model"),
+        cell("ngram cost-model", "ngram", 4, None, policy="cost-model"),
+        cell("oracle γ=2", "oracle", 1, 2.0, ceiling=True), cell("oracle γ=4", "oracle", 1, 2.6, ceiling=True),
+        cell("oracle γ=2", "oracle", 4, 1.4, ceiling=True), cell("oracle γ=4", "oracle", 4, 1.3, ceiling=True)]}
+    assert speedup_curves(report) == {"ngram best γ": [1.6, 1.1], "ngram cost-model": [1.5, None],
+                                      "oracle best γ (ceiling)": [2.6, 1.4]}
 
 
 @pytest.mark.parametrize("extra, message", [(["--temperatures", "1", "--batch-sizes", "1"], "must be 0, got 1"),

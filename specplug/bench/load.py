@@ -328,6 +328,48 @@ def write_html(report: dict, path) -> None:
 
         render_load(report["peer"], console)
     body = (f"<p>Goodput and per-token latency per batch size; cells are medians over repeats of runs "
-            f"interleaved in one process.</p>\n<pre>{html.escape(console.export_text())}</pre>")
+            f"interleaved in one process.</p>\n<figure id=\"goodput_vs_batch_size\"><img alt=\"goodput vs batch size\" "
+            f"src=\"data:image/png;base64,{goodput_figure(report)}\"></figure>\n"
+            f"<pre>{html.escape(console.export_text())}</pre>")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(html_page("specplug load bench", body, report))
+
+
+def speedup_curves(report: dict) -> dict[str, list[float | None]]:
+    """× target-only at each batch size: each proposer's best static γ, each policy, and the oracle's best γ (the
+    ceiling), keyed by the legend's label."""
+    sizes = report["settings"]["batch_sizes"]
+    curves: dict[str, list[float | None]] = {}
+    for c in report["cells"]:
+        if c["proposer"] is None:
+            continue
+        label = (f"{c['proposer']} best γ" if c["policy"] is None else c["variant"]) if not c["ceiling"] \
+            else "oracle best γ (ceiling)"
+        curve = curves.setdefault(label, [None] * len(sizes))
+        i, x = sizes.index(c["batch_size"]), c["speedup_vs_target_only"]
+        if x is not None and (curve[i] is None or x > curve[i]):
+            curve[i] = x
+    return curves
+
+
+def goodput_figure(report: dict) -> str:
+    """Speed-up over target-only against batch size (:func:`speedup_curves`), as a base64 PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .report import png
+
+    sizes = report["settings"]["batch_sizes"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, ys in speedup_curves(report).items():
+        ceiling = label.startswith("oracle")
+        ax.plot(sizes, ys, marker="o", ls="--" if ceiling else "-", color="black" if ceiling else None, label=label)
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set(xlabel="batch size B (rows decoded together)", ylabel="goodput × target-only (median)",
+           title="Speed-up against batch size")
+    ax.legend(fontsize=7)
+    return png(fig)

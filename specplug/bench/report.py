@@ -180,7 +180,8 @@ def print_report(report: dict, console, wide: bool = False) -> None:
         console.print(line, highlight=False, markup=False, soft_wrap=False)
 
 
-def _png(fig) -> str:
+def png(fig) -> str:
+    """A matplotlib figure as a base64 PNG (the figure closed)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     import matplotlib.pyplot as plt
@@ -201,7 +202,7 @@ def figures(report: dict) -> dict[str, str]:
         figsize, draw = _PLOTTERS[name]
         fig, ax = plt.subplots(figsize=figsize)
         draw(ax, report)
-        out[name] = _png(fig)
+        out[name] = png(fig)
     return out
 
 
