@@ -177,6 +177,15 @@ class SuffixTree:
             self.buf[child] = b
             self.end[child] = end
             new = child
+        elif a != ROOT and len(ch) == 1 and count[a] == count[child] + 1:
+            # only this suffix ends at a and it continues along a's one edge: a slides one token down that edge
+            # (what splitting the edge and merging a away would make, without a node made and freed)
+            depth[a] = d1
+            self.buf[a] = b
+            self.end[a] = end
+            ch.clear()
+            ch[self.token(child, d1)] = child
+            return a
         else:  # the suffix now ends inside child's edge: split it after its first token
             new = self._new(a, d1, count[child] + 1, b, end)
             ch[x] = new
