@@ -366,7 +366,7 @@ def goodput_figure(report: dict) -> str:
     for label, ys in speedup_curves(report).items():
         ceiling = label.startswith("oracle")
         ax.plot(sizes, ys, marker="o", ls="--" if ceiling else "-", color="black" if ceiling else None, label=label)
-    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":", label="target-only")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(b) for b in sizes])
     ax.set(xlabel="batch size B (rows decoded together)", ylabel="goodput × target-only (median)",
