@@ -24,6 +24,7 @@ import time
 import specplug
 from specplug.bench.oracle import OracleProposer, greedy_outputs
 from specplug.bench.workloads import humaneval_prompts
+from specplug.engine import prompt_ids
 
 
 def decode(target, proposer, prompts: list[str], batch_size: int, tokens: int, gamma: int):
@@ -57,6 +58,8 @@ def main() -> None:
     target = specplug.Target.from_pretrained(args.target)
     prompts = humaneval_prompts(args.requests)
     outputs = greedy_outputs(target, prompts, args.tokens)
+    expected = [outputs[tuple(prompt_ids(target, p))] for p in prompts]
+    made = sum(map(len, expected))
     vocab = target.vocab_size
     gammas = [int(g) for g in args.gammas.split(",")]
     alphas = [float(a) for a in args.alphas.split(",")]
@@ -73,12 +76,11 @@ def main() -> None:
             for label, make, gamma in variants:
                 _, base = decode(target, None, prompts, b, args.tokens, 0)  # paired: the pace drifts
                 results, wall = decode(target, make(), prompts, b, args.tokens, gamma)
-                if [r.tokens for r in results] != [outputs[tuple(target.encode(p))] for p in prompts]:
+                if [r.tokens for r in results] != expected:
                     raise SystemExit(f"B = {b}, {label}: output parted from target-only")
                 runs.setdefault("target-only", []).append(base)
                 runs.setdefault(label, []).append(wall)
                 ratios.setdefault(label, []).append(base / wall)
-        made = sum(len(outputs[tuple(target.encode(p))]) for p in prompts)
         print(f"B = {b}:")
         for label, walls in runs.items():
             ratio = statistics.median(ratios.get(label, [1.0]))

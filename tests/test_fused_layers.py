@@ -180,7 +180,7 @@ def test_a_refusal_for_bf16_rows_leaves_float32_rows_of_the_same_shapes_their_ow
     assert whole_bf16.lean.layers[0].fused is None  # C layers take float32 rows
     (refusal,) = [c for c in machine.machine_choices() if c.name == fused_layers.CHOICE]
     float32_rows = specplug.Target.from_pretrained(tiny_dirs["target"], matmul_dtype="bfloat16")
-    float32_rows.lean.layers[0].fused
+    float32_rows.lean.layers[0].fused  # the first access decides the layer's form and records the choice
     (own,) = [c for c in machine.machine_choices() if c.name == fused_layers.CHOICE and c is not refusal]
     assert "torch.bfloat16 rows" in refusal.key and "torch.float32 rows" in own.key
     assert own.why != refusal.why

@@ -343,8 +343,10 @@ def speedup_curves(report: dict) -> dict[str, list[float | None]]:
     for c in report["cells"]:
         if c["proposer"] is None:
             continue
-        label = (f"{c['proposer']} best γ" if c["policy"] is None else c["variant"]) if not c["ceiling"] \
-            else "oracle best γ (ceiling)"
+        if c["ceiling"]:
+            label = "oracle best γ (ceiling)"
+        else:
+            label = c["variant"] if c["policy"] is not None else f"{c['proposer']} best γ"
         curve = curves.setdefault(label, [None] * len(sizes))
         i, x = sizes.index(c["batch_size"]), c["speedup_vs_target_only"]
         if x is not None and (curve[i] is None or x > curve[i]):

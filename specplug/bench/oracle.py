@@ -11,6 +11,7 @@ import random
 from collections.abc import Mapping, Sequence
 
 from specplug.batch import generate_batch
+from specplug.engine import prompt_ids
 from specplug.sampling import GREEDY
 from specplug.types import Proposal, Proposer, SequenceState
 
@@ -46,7 +47,8 @@ class OracleProposer(Proposer):
 
 
 def greedy_outputs(target, prompts: Sequence[str], max_new_tokens: int) -> dict[tuple[int, ...], list[int]]:
-    """Target-only greedy output of each distinct prompt, keyed by its prompt ids (what the oracle drafts from)."""
+    """Target-only greedy output of each distinct prompt, keyed by its prompt ids as the engine reads them (what the
+    oracle finds in ``seq.ids``)."""
     distinct = list(dict.fromkeys(prompts))
     results = generate_batch(target, None, distinct, max_new_tokens=max_new_tokens, sampling=GREEDY)
-    return {tuple(target.encode(p)): r.tokens for p, r in zip(distinct, results)}
+    return {tuple(prompt_ids(target, p)): r.tokens for p, r in zip(distinct, results)}
